@@ -1,0 +1,87 @@
+"""`bandpo-lut verify FILE...`: check tables against mpmath and for monotonicity.
+
+For each file: evaluates the table with `bandpo_lut.reference.bounds` (float64) at random off-grid
+points (p over its whole float range, δ over the table's range) against the 40-digit mpmath roots, prints
+the worst errors and where they occur, and checks on a dense grid (default 4000 values of p × 200 of δ)
+that the upper bound never increases with p nor decreases with δ, and the lower bound the opposite,
+beyond one unit in the last place. Exits 1 if any file fails to load or exceeds its stated tolerance.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+
+from . import accuracy, tables
+from .table_format import TableFormatError
+
+
+def add_arguments(parser):
+    parser.add_argument("files", nargs="+", metavar="FILE", help=".bplut table files")
+    parser.add_argument("--points", type=int, default=2000, help="random off-grid points per table")
+    parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("--dense-p", type=int, default=4000, help="p values of the monotonicity grid")
+    parser.add_argument("--dense-delta", type=int, default=200, help="delta values of the monotonicity grid")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="override the table's stated tolerance (default: its header's, else 1e-6)")
+
+
+def monotonicity_violations(table, n_p: int, n_delta: int):
+    """Counts of (upper up in p, lower down in p, upper down in δ, lower up in δ) beyond 1 ulp."""
+    import torch
+
+    from .reference.bounds import bounds
+    t = np.linspace(-36.0, 36.0, n_p)
+    p = 1.0 / (1.0 + np.exp(-t))
+    hi = table.delta_max if table.delta_max_inclusive else math.nextafter(table.delta_max, 0)
+    d = np.exp(np.linspace(math.log(table.delta_min), math.log(hi), n_delta))
+    P = torch.from_numpy(np.repeat(p[None, :], n_delta, 0))
+    D = torch.from_numpy(np.repeat(d[:, None], n_p, 1))
+    lo, up = (x.numpy() for x in bounds(P, D, table.divergence.name, table=table))
+
+    def rises(a, axis):      # a[k+1] > a[k] by more than one ulp
+        return int(np.sum(np.diff(a, axis=axis) > np.spacing(np.abs(np.delete(a, 0, axis=axis)))))
+
+    def falls(a, axis):
+        return int(np.sum(-np.diff(a, axis=axis) > np.spacing(np.abs(np.delete(a, -1, axis=axis)))))
+
+    finite_up = np.where(np.isinf(up), np.finfo(np.float64).max, up)
+    return rises(finite_up, 1), falls(lo, 1), falls(finite_up, 0), rises(lo, 0)
+
+
+def verify_file(path, points, seed, n_p, n_delta, tolerance=None, out=sys.stdout) -> bool:
+    import torch
+
+    from .reference.bounds import bounds
+    try:
+        table = tables.load(path)
+    except (TableFormatError, OSError) as e:
+        print(f"FAIL {path}: {e}", file=out)
+        return False
+    tol = tolerance or float(table.header.get("accuracy", {}).get("tolerance", 1e-6))
+    name = table.divergence.name
+    p, d = accuracy.sample_points(points, table.delta_min, table.delta_max, seed, table.t.max,
+                                  table.delta_max_inclusive)
+    lo, up = bounds(torch.from_numpy(p), torch.from_numpy(d), name, table=table)
+    rlo, rup = accuracy.exact_bounds_f64(p, d, name)
+    eu, el, iu, il = accuracy.worst(lo.numpy(), up.numpy(), rlo, rup)
+    mono = monotonicity_violations(table, n_p, n_delta)
+    ok = eu <= tol and el <= tol and not any(mono)
+    h = table.header
+    print(f"{'ok  ' if ok else 'FAIL'} {path}: divergence {name}, delta in [{table.delta_min:g}, "
+          f"{table.delta_max:g}{']' if table.delta_max_inclusive else ')'}, grid {table.t.n}x{table.s.n}, "
+          f"{h['storage_dtype']}, sha256 {h['payload_sha256'][:12]}", file=out)
+    print(f"     {points} random points vs mpmath: upper max rel err {eu:.2e} (p={p[iu]:.6g}, delta={d[iu]:.4g}); "
+          f"lower max err {el:.2e} (p={p[il]:.6g}, delta={d[il]:.4g}); tolerance {tol:g}", file=out)
+    print(f"     monotone on {n_p}x{n_delta}: violations beyond 1 ulp: upper-in-p {mono[0]}, lower-in-p {mono[1]}, "
+          f"upper-in-delta {mono[2]}, lower-in-delta {mono[3]}", file=out)
+    return ok
+
+
+def run(args) -> int:
+    if args.points < 1 or args.dense_p < 2 or args.dense_delta < 2:
+        raise SystemExit("bandpo-lut verify: --points >= 1, --dense-p >= 2 and --dense-delta >= 2 expected")
+    results = [verify_file(f, args.points, args.seed, args.dense_p, args.dense_delta, args.tolerance)
+               for f in args.files]
+    return 0 if all(results) else 1

@@ -1,0 +1,244 @@
+// The band's math, written once for the CPU loops and the CUDA kernels (host-device inline functions).
+//
+// Conventions (see bandpo_lut/tables.py and the table header for the stored quantities):
+//   t = logit(p) and s = log(δ) are the table coordinates; the KL table stores, as uniform cubic B-spline
+//   coefficients, q_up = p·r_up and κ = -p·ln(r_lo)/δ. Closed-form divergences (tv, chi2, hellinger) are
+//   evaluated directly in double precision, which is faster than the lookup and exact to rounding.
+//   Outside |t| ≤ t_max the KL bounds come from the asymptotic forms derived in the comments below.
+#pragma once
+
+#include <cstdint>
+
+#include "fast_math.h"
+
+namespace bandpo {
+
+enum Divergence : int { kKL = 0, kTV = 1, kChi2 = 2, kHellinger = 3 };
+
+// The table as the kernels see it. Plain data: pointers and sizes only, no at::Tensor.
+struct TableView {
+  const float* coef;   // [2][nt + 2][ns + 2] B-spline coefficients: [0] q_up, [1] κ; row-major
+  int nt;              // nodes along t (coefficients: nt + 2)
+  int ns;              // nodes along s (coefficients: ns + 2)
+  double t_min;        // first t node; nodes are t_min + i·t_step (t_step a power of two: exact)
+  double t_step;
+  double s_min;        // first s node (log δ_min); nodes s_min + j·s_step
+  double s_step;
+  double delta_min;    // valid δ range; outside it a per-token δ yields NaN
+  double delta_max;
+  bool delta_max_inclusive;
+};
+
+// Everything a kernel needs besides the element pointers.
+struct BandParams {
+  TableView table;
+  int divergence;          // Divergence
+  bool log_input;          // the probability argument holds log p (more accurate for p near 1)
+  double max_ratio;        // upper bounds are capped here (+inf: no cap)
+  double delta;            // the scalar δ (when no per-token δ tensor is given)
+  const float* cell_f;     // scalar δ, KL: [nt - 1][8] power-basis cubics per t cell (q_up, κ), float
+  const double* cell_d;    // the same in double, for float64 inputs
+};
+
+// ---- per-δ constants -------------------------------------------------------------------------------
+template <typename T>
+struct DeltaConsts {
+  T delta;      // δ
+  T rho0;       // 1 - e^{-δ}: lim_{p→0} q_up, and lim_{p→1} (1 - r_lo)
+  T log_rho0;   // log(1 - e^{-δ})
+  T exp_neg;    // e^{-δ}
+};
+
+template <typename T>
+BANDPO_HD DeltaConsts<T> delta_consts(T delta) {
+  DeltaConsts<T> c;
+  c.delta = delta;
+  c.rho0 = -expm1_any(-delta);
+  c.log_rho0 = log_any(c.rho0);
+  c.exp_neg = T(1) - c.rho0;
+  return c;
+}
+
+// ---- B-spline pieces -------------------------------------------------------------------------------
+// Uniform cubic B-spline basis on one cell, u in [0, 1].
+template <typename T>
+BANDPO_HD void bspline_weights(T u, T w[4]) {
+  const T u2 = u * u, u3 = u2 * u;
+  const T sixth = T(1) / T(6);
+  w[0] = (T(1) - T(3) * u + T(3) * u2 - u3) * sixth;
+  w[1] = (T(3) * u3 - T(6) * u2 + T(4)) * sixth;
+  w[2] = (-T(3) * u3 + T(3) * u2 + T(3) * u + T(1)) * sixth;
+  w[3] = u3 * sixth;
+}
+
+// Cell index and exact in-cell fraction of x on an axis of n nodes. x is first clamped into the axis
+// (NaN goes to the first cell; callers propagate NaN through other terms). The fraction is computed from
+// the node position, which is exact for a dyadic step, rather than from (x - x0)/h, which would round.
+template <typename T>
+BANDPO_HD int axis_cell(T x, double x0, double step, int n, T& u) {
+  const T lo = T(x0), hi = T(x0 + (n - 1) * step);
+  const T xc = (x >= lo) ? ((x <= hi) ? x : hi) : lo;
+  const T inv = T(1.0 / step);
+  int i = static_cast<int>((xc - lo) * inv);
+  i = i < 0 ? 0 : (i > n - 2 ? n - 2 : i);
+  const T xi = T(x0 + i * step);
+  T f = (xc - xi) * inv;
+  u = f < T(0) ? T(0) : (f > T(1) ? T(1) : f);
+  return i;
+}
+
+// Collapse the s axis at a fixed δ and convert cell `k` of the t axis to power-basis cubics:
+// out[0..3] for q_up and out[4..7] for κ, value = a0 + u·(a1 + u·(a2 + u·a3)). Done once per (table, δ).
+BANDPO_HD void collapse_cell(const TableView& tb, int k, int js, const double ws[4], double out[8]) {
+  const int ncol = tb.ns + 2;
+  for (int b = 0; b < 2; ++b) {
+    const float* base = tb.coef + static_cast<std::int64_t>(b) * (tb.nt + 2) * ncol;
+    double d[4];
+    for (int a = 0; a < 4; ++a) {
+      const float* row = base + static_cast<std::int64_t>(k + a) * ncol + js;
+      d[a] = ws[0] * row[0] + ws[1] * row[1] + ws[2] * row[2] + ws[3] * row[3];
+    }
+    out[4 * b + 0] = (d[0] + 4.0 * d[1] + d[2]) / 6.0;
+    out[4 * b + 1] = (d[2] - d[0]) / 2.0;
+    out[4 * b + 2] = (d[0] - 2.0 * d[1] + d[2]) / 2.0;
+    out[4 * b + 3] = (-d[0] + 3.0 * d[1] - 3.0 * d[2] + d[3]) / 6.0;
+  }
+}
+
+// s-axis cell and weights for a scalar δ (host side, double).
+BANDPO_HD int delta_weights(const TableView& tb, double delta, double ws[4]) {
+  double u;
+  const int js = axis_cell<double>(log_any(delta), tb.s_min, tb.s_step, tb.ns, u);
+  bspline_weights<double>(u, ws);
+  return js;
+}
+
+// Full tensor-product evaluation (per-token δ): q_up and κ at (t, s).
+template <typename T>
+BANDPO_HD void spline2d(const TableView& tb, T t, T s, T& q_up, T& kappa) {
+  T ut, us, wt[4], ws[4];
+  const int it = axis_cell<T>(t, tb.t_min, tb.t_step, tb.nt, ut);
+  const int js = axis_cell<T>(s, tb.s_min, tb.s_step, tb.ns, us);
+  bspline_weights<T>(ut, wt);
+  bspline_weights<T>(us, ws);
+  const int ncol = tb.ns + 2;
+  T acc[2];
+  for (int b = 0; b < 2; ++b) {
+    const float* base = tb.coef + static_cast<std::int64_t>(b) * (tb.nt + 2) * ncol;
+    T sum = T(0);
+    for (int a = 0; a < 4; ++a) {
+      const float* row = base + static_cast<std::int64_t>(it + a) * ncol + js;
+      sum += wt[a] * (ws[0] * T(row[0]) + ws[1] * T(row[1]) + ws[2] * T(row[2]) + ws[3] * T(row[3]));
+    }
+    acc[b] = sum;
+  }
+  q_up = acc[0];
+  kappa = acc[1];
+}
+
+// ---- probability inputs ----------------------------------------------------------------------------
+// p, 1 - p and t = logit(p) from either p or log p. From log p, 1 - p = -expm1(log p) keeps its relative
+// precision for p near 1, where p itself rounds to 1. Out-of-domain inputs become NaN.
+template <typename T>
+BANDPO_HD void prob_terms(T x, bool log_input, T& p, T& omp, T& t) {
+  const T nan = T(0) / T(0);
+  if (log_input) {
+    p = exp_any(x);
+    omp = -expm1_any(x);
+    t = x - log_any(omp);
+    p = (x > T(0)) ? nan : p;
+  } else {
+    p = x;
+    omp = T(1) - x;
+    t = log_any(x / omp);
+    p = (x < T(0) || x > T(1)) ? nan : p;
+  }
+  omp = (p != p) ? nan : omp;
+  t = (p != p) ? nan : t;
+}
+
+// ---- KL ----------------------------------------------------------------------------------------------
+// Tails beyond the grid, from the exact equation p·log(p/q) + (1-p)·log((1-p)/(1-q)) = δ:
+//  * upper, p → 0: q = ρ0 + ε with ε = p·e^{-δ}·(1 + δ + log ρ0 - log p) + O(p² log² p); used at
+//    t < -t_max (p < 1e-6, error < 2e-7 relative) in single precision. Double precision then iterates
+//    the exact fixed point q ← 1 - (1-p)·exp(-(δ - p·log(p/q))/(1-p)), which contracts by about p/q.
+//  * lower, p → 1: -ln r = (δ + (1-p)·log1p(p(1-r)/(1-p)))/p (exact); with 1 - r ≈ ρ0 and
+//    log1p(pρ0/ε) = t + log ρ0 + ε/(pρ0) + O(ε²), ε = 1 - p, no extra transcendental is needed.
+//  * upper for t > t_max is 1/p and lower for t < -t_max underflows to 0 (checked by the generator).
+template <typename T>
+BANDPO_HD void kl_tail_upper(T p, T omp, T t, const DeltaConsts<T>& c, T& q) {
+  const T tt = t < T(-1000) ? T(-1000) : t;
+  q = c.rho0 + p * c.exp_neg * (T(1) + c.delta + c.log_rho0 - tt);
+}
+
+template <typename T>
+BANDPO_HD T kl_tail_lower_log(T p, T omp, T t, const DeltaConsts<T>& c) {
+  const T tt = t > T(1000) ? T(1000) : t;
+  return -(c.delta + omp * (tt + c.log_rho0 + omp / (p * c.rho0))) / p;
+}
+
+// Double-precision refinements of the tails by the exact fixed points (scalar code paths only).
+BANDPO_HD double kl_refine_upper(double p, double omp, double q, double delta) {
+  for (int i = 0; i < 3; ++i) q = 1.0 - omp * exp_any(-(delta - p * log_any(p / q)) / omp);
+  return q;
+}
+
+BANDPO_HD double kl_refine_lower(double p, double omp, double r, double delta) {
+  for (int i = 0; i < 3; ++i) r = exp_any(-(delta + omp * log1p_any(p * (1.0 - r) / omp)) / p);
+  return r;
+}
+
+// KL bounds from the value pair (q_up, κ) interpolated at the clamped t, plus the tails.
+template <typename T>
+BANDPO_HD void kl_finish(T p, T omp, T t, T q_tab, T kappa, const DeltaConsts<T>& c, const TableView& tb,
+                         T& lo, T& up) {
+  const T tmax = T(tb.t_min + (tb.nt - 1) * tb.t_step), tmin = T(tb.t_min);
+  T q = q_tab < p ? p : (q_tab > T(1) ? T(1) : q_tab);
+  T q_tail;
+  kl_tail_upper<T>(p, omp, t, c, q_tail);
+  q = (t < tmin) ? q_tail : q;
+  up = (t > tmax) ? T(1) / p : q / p;
+  T L = -(c.delta / p) * kappa;
+  L = (t > tmax) ? kl_tail_lower_log<T>(p, omp, t, c) : L;
+  lo = exp_any(L);
+  lo = (omp == T(0)) ? c.exp_neg : lo;
+}
+
+// ---- closed forms (double) ---------------------------------------------------------------------------
+// Saturation is decided by the exact tests p·f(1/p) + (1-p)·f(0) ≤ δ and p·f(0) + (1-p)·f(1/(1-p)) ≤ δ,
+// written out per divergence; the lower roots are written without cancellation where possible.
+BANDPO_HD void closed_form_bounds(int div, double p, double omp, double delta, double& lo, double& up) {
+  if (div == kTV) {                         // r = 1 ± δ/p
+    up = (omp <= delta) ? 1.0 / p : 1.0 + delta / p;
+    lo = (p <= delta) ? 0.0 : (p - delta) / p;
+  } else if (div == kChi2) {                // r = 1 ± sqrt(δ(1-p)/p)
+    const double w = sqrt(delta * omp / p);
+    up = (omp <= delta * p) ? 1.0 / p : 1.0 + w;
+    lo = (p <= delta * omp) ? 0.0 : (p - delta * omp) / (p * (1.0 + w));
+  } else {                                  // hellinger: √q = √p·cos α ± √(1-p)·sin α, cos α = 1 - δ/2
+    const double ca = 1.0 - 0.5 * delta, sa = sqrt(delta * (1.0 - 0.25 * delta));
+    const double a = sqrt(p) * ca, b = sqrt(omp) * sa;
+    up = (sqrt(p) >= ca) ? 1.0 / p : (a + b) * (a + b) / p;
+    lo = (a <= b) ? 0.0 : (a - b) * (a - b) / p;
+  }
+  if (omp == 0.0) up = 1.0;                 // p = 1 exactly
+  if (p == 0.0) lo = 0.0;
+}
+
+// ---- clamp with torch.clamp's NaN semantics ---------------------------------------------------------
+template <typename T>
+BANDPO_HD T clamp_like_torch(T x, T lo, T up) {
+  T y = x < lo ? lo : x;
+  y = y > up ? up : y;
+  y = (lo != lo) ? lo : y;   // NaN bounds propagate, as torch.clamp's do
+  y = (up != up) ? up : y;
+  return (x != x) ? x : y;
+}
+
+template <typename T>
+BANDPO_HD bool delta_valid(const TableView& tb, T d) {
+  const bool hi_ok = tb.delta_max_inclusive ? (d <= T(tb.delta_max)) : (d < T(tb.delta_max));
+  return d >= T(tb.delta_min) && hi_ok;
+}
+
+}  // namespace bandpo
