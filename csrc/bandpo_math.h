@@ -36,6 +36,8 @@ struct BandParams {
   bool log_input;          // the probability argument holds log p (more accurate for p near 1)
   double max_ratio;        // upper bounds are capped here (+inf: no cap)
   double delta;            // the scalar δ (when no per-token δ tensor is given)
+  int delta_js;            // scalar δ: its s-axis cell and B-spline weights, for collapsing the table
+  double delta_ws[4];
   const float* cell_f;     // scalar δ, KL: [nt - 1][8] power-basis cubics per t cell (q_up, κ), float
   const double* cell_d;    // the same in double, for float64 inputs
 };
@@ -113,12 +115,10 @@ BANDPO_HD int delta_weights(const TableView& tb, double delta, double ws[4]) {
   return js;
 }
 
-// Full tensor-product evaluation (per-token δ): q_up and κ at (t, s).
+// Full tensor-product evaluation (per-token δ) at cells (it, js) with in-cell fractions (ut, us).
 template <typename T>
-BANDPO_HD void spline2d(const TableView& tb, T t, T s, T& q_up, T& kappa) {
-  T ut, us, wt[4], ws[4];
-  const int it = axis_cell<T>(t, tb.t_min, tb.t_step, tb.nt, ut);
-  const int js = axis_cell<T>(s, tb.s_min, tb.s_step, tb.ns, us);
+BANDPO_HD void spline2d_cells(const TableView& tb, int it, T ut, int js, T us, T& q_up, T& kappa) {
+  T wt[4], ws[4];
   bspline_weights<T>(ut, wt);
   bspline_weights<T>(us, ws);
   const int ncol = tb.ns + 2;
@@ -136,13 +136,22 @@ BANDPO_HD void spline2d(const TableView& tb, T t, T s, T& q_up, T& kappa) {
   kappa = acc[1];
 }
 
+// q_up and κ at (t, s).
+template <typename T>
+BANDPO_HD void spline2d(const TableView& tb, T t, T s, T& q_up, T& kappa) {
+  T ut, us;
+  const int it = axis_cell<T>(t, tb.t_min, tb.t_step, tb.nt, ut);
+  const int js = axis_cell<T>(s, tb.s_min, tb.s_step, tb.ns, us);
+  spline2d_cells<T>(tb, it, ut, js, us, q_up, kappa);
+}
+
 // ---- probability inputs ----------------------------------------------------------------------------
 // p, 1 - p and t = logit(p) from either p or log p. From log p, 1 - p = -expm1(log p) keeps its relative
 // precision for p near 1, where p itself rounds to 1. Out-of-domain inputs become NaN.
-template <typename T>
-BANDPO_HD void prob_terms(T x, bool log_input, T& p, T& omp, T& t) {
+template <bool LOG, typename T>
+BANDPO_HD void prob_terms_t(T x, T& p, T& omp, T& t) {
   const T nan = T(0) / T(0);
-  if (log_input) {
+  if (LOG) {
     p = exp_any(x);
     omp = -expm1_any(x);
     t = x - log_any(omp);
@@ -151,24 +160,37 @@ BANDPO_HD void prob_terms(T x, bool log_input, T& p, T& omp, T& t) {
     p = x;
     omp = T(1) - x;
     t = log_any(x / omp);
-    p = (x < T(0) || x > T(1)) ? nan : p;
+    p = ((x < T(0)) | (x > T(1))) ? nan : p;
   }
   omp = (p != p) ? nan : omp;
   t = (p != p) ? nan : t;
 }
 
+template <typename T>
+BANDPO_HD void prob_terms(T x, bool log_input, T& p, T& omp, T& t) {
+  if (log_input) {
+    prob_terms_t<true, T>(x, p, omp, t);
+  } else {
+    prob_terms_t<false, T>(x, p, omp, t);
+  }
+}
+
 // ---- KL ----------------------------------------------------------------------------------------------
 // Tails beyond the grid, from the exact equation p·log(p/q) + (1-p)·log((1-p)/(1-q)) = δ:
-//  * upper, p → 0: q = ρ0 + ε with ε = p·e^{-δ}·(1 + δ + log ρ0 - log p) + O(p² log² p); used at
-//    t < -t_max (p < 1e-6, error < 2e-7 relative) in single precision. Double precision then iterates
+//  * upper, p → 0: q = ρ0 + ε with ε = p·e^{-δ}·(1 + δ + log q - log p) + O(ε²), ρ0 = 1 - e^{-δ};
+//    used at t < -t_max (p < 1e-6) in single precision (see kl_tail_upper). Double precision then iterates
 //    the exact fixed point q ← 1 - (1-p)·exp(-(δ - p·log(p/q))/(1-p)), which contracts by about p/q.
 //  * lower, p → 1: -ln r = (δ + (1-p)·log1p(p(1-r)/(1-p)))/p (exact); with 1 - r ≈ ρ0 and
 //    log1p(pρ0/ε) = t + log ρ0 + ε/(pρ0) + O(ε²), ε = 1 - p, no extra transcendental is needed.
 //  * upper for t > t_max is 1/p and lower for t < -t_max underflows to 0 (checked by the generator).
 template <typename T>
 BANDPO_HD void kl_tail_upper(T p, T omp, T t, const DeltaConsts<T>& c, T& q) {
+  // ε = p·e^{-δ}·(1 + δ + log q - log p); the expansion parameter is p/ρ0 (not p), so log q is taken as
+  // log ρ0 + ε₁/ρ0 from a first pass, which leaves an O(p·(ε/ρ0)²) error.
   const T tt = t < T(-1000) ? T(-1000) : t;
-  q = c.rho0 + p * c.exp_neg * (T(1) + c.delta + c.log_rho0 - tt);
+  const T base = T(1) + c.delta + c.log_rho0 - tt;
+  const T eps1 = p * c.exp_neg * base;
+  q = c.rho0 + p * c.exp_neg * (base + eps1 / c.rho0);
 }
 
 template <typename T>

@@ -1,0 +1,96 @@
+// One element of the band: (probability or log-probability, δ) -> (lower, upper), for every backend.
+//
+// `acc_t` is the arithmetic type (float for float32/bfloat16/float16 inputs, double for float64).
+// PER_TOKEN selects a per-element δ (full 2-D spline) versus the scalar δ whose s axis was collapsed
+// into per-cell cubics (`BandParams::cell_f` / `cell_d`) once per (table, δ).
+#pragma once
+
+#include <type_traits>
+
+#include "bandpo_math.h"
+
+namespace bandpo {
+
+template <typename acc_t>
+BANDPO_HD const acc_t* cell_table(const BandParams& P);
+
+template <>
+BANDPO_HD const float* cell_table<float>(const BandParams& P) { return P.cell_f; }
+template <>
+BANDPO_HD const double* cell_table<double>(const BandParams& P) { return P.cell_d; }
+
+// KL with a scalar δ: the hot path (one log, one exp, two cubics per element). LOG: x is log p.
+template <bool LOG, typename acc_t>
+BANDPO_HD void kl_scalar_delta_t(const BandParams& P, const acc_t* cells, const DeltaConsts<acc_t>& c, acc_t x,
+                                 acc_t& lo, acc_t& up) {
+  acc_t p, omp, t, u;
+  prob_terms_t<LOG, acc_t>(x, p, omp, t);
+  const int k = axis_cell<acc_t>(t, P.table.t_min, P.table.t_step, P.table.nt, u);
+  const acc_t* a = cells + 8 * k;
+  const acc_t q = a[0] + u * (a[1] + u * (a[2] + u * a[3]));
+  const acc_t kappa = a[4] + u * (a[5] + u * (a[6] + u * a[7]));
+  kl_finish<acc_t>(p, omp, t, q, kappa, c, P.table, lo, up);
+  if constexpr (std::is_same<acc_t, double>::value) {
+    const double tmin = P.table.t_min, tmax = P.table.t_min + (P.table.nt - 1) * P.table.t_step;
+    if (t < tmin && p > 0.0) up = kl_refine_upper(p, omp, up * p, c.delta) / p;
+    if (t > tmax && omp > 0.0) lo = kl_refine_lower(p, omp, lo, c.delta);
+  }
+}
+
+template <typename acc_t>
+BANDPO_HD void kl_scalar_delta(const BandParams& P, const acc_t* cells, const DeltaConsts<acc_t>& c, acc_t x,
+                               acc_t& lo, acc_t& up) {
+  if (P.log_input) {
+    kl_scalar_delta_t<true, acc_t>(P, cells, c, x, lo, up);
+  } else {
+    kl_scalar_delta_t<false, acc_t>(P, cells, c, x, lo, up);
+  }
+}
+
+// KL with a per-token δ.
+template <typename acc_t>
+BANDPO_HD void kl_token_delta(const BandParams& P, acc_t x, acc_t delta, acc_t& lo, acc_t& up) {
+  acc_t p, omp, t;
+  prob_terms<acc_t>(x, P.log_input, p, omp, t);
+  const DeltaConsts<acc_t> c = delta_consts<acc_t>(delta);
+  acc_t q, kappa;
+  spline2d<acc_t>(P.table, t, log_any(delta), q, kappa);
+  kl_finish<acc_t>(p, omp, t, q, kappa, c, P.table, lo, up);
+  if constexpr (std::is_same<acc_t, double>::value) {
+    const double tmin = P.table.t_min, tmax = P.table.t_min + (P.table.nt - 1) * P.table.t_step;
+    if (t < tmin && p > 0.0) up = kl_refine_upper(p, omp, up * p, c.delta) / p;
+    if (t > tmax && omp > 0.0) lo = kl_refine_lower(p, omp, lo, c.delta);
+  }
+}
+
+// Closed forms, always in double: the probability terms are recomputed in double from the input.
+template <typename acc_t>
+BANDPO_HD void closed_form(const BandParams& P, acc_t x, double delta, acc_t& lo, acc_t& up) {
+  double p, omp, t, l, u;
+  prob_terms<double>(static_cast<double>(x), P.log_input, p, omp, t);
+  closed_form_bounds(P.divergence, p, omp, delta, l, u);
+  lo = static_cast<acc_t>(l);
+  up = static_cast<acc_t>(u);
+}
+
+// Any divergence, any δ mode; applies the δ-range check (per-token δ) and the max_ratio cap.
+template <typename acc_t, bool PER_TOKEN>
+BANDPO_HD void band_element(const BandParams& P, const DeltaConsts<acc_t>& c, acc_t x, acc_t delta,
+                            acc_t& lo, acc_t& up) {
+  if (P.divergence == kKL) {
+    if (PER_TOKEN) {
+      kl_token_delta<acc_t>(P, x, delta, lo, up);
+    } else {
+      kl_scalar_delta<acc_t>(P, cell_table<acc_t>(P), c, x, lo, up);
+    }
+  } else {
+    closed_form<acc_t>(P, x, PER_TOKEN ? static_cast<double>(delta) : P.delta, lo, up);
+  }
+  if (PER_TOKEN && !delta_valid<acc_t>(P.table, delta)) {
+    lo = up = acc_t(0) / acc_t(0);
+  }
+  const acc_t cap = static_cast<acc_t>(P.max_ratio);
+  up = up > cap ? cap : up;
+}
+
+}  // namespace bandpo

@@ -1,0 +1,295 @@
+// CPU implementations of bandpo_lut::bounds and bandpo_lut::clip.
+//
+// TensorIterator handles broadcasting, strides and the parallel split (at::parallel_for underneath);
+// contiguous float32 runs go through branch-free blocked loops that GCC vectorises,
+// compiled for AVX2+FMA and for the baseline ISA with function multi-versioning (the loader picks one at
+// run time). Everything else runs the same per-element code in a plain strided loop.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/TensorIterator.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "band_element.h"
+#include "band_host.h"
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define BANDPO_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define BANDPO_CPU_CLONES
+#endif
+
+namespace bandpo {
+namespace {
+
+// ---- scalar-δ cell cubics, computed once per (table, δ) and cached -------------------------------------
+struct CellPolys {
+  std::vector<float> f;
+  std::vector<double> d;
+};
+
+std::shared_ptr<const CellPolys> cell_polys(const BandParams& P) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, std::shared_ptr<const CellPolys>> cache;
+  std::string key(sizeof(void*) + sizeof(double), '\0');
+  std::memcpy(&key[0], &P.table.coef, sizeof(void*));
+  std::memcpy(&key[sizeof(void*)], &P.delta, sizeof(double));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  auto polys = std::make_shared<CellPolys>();
+  const int cells = P.table.nt - 1;
+  polys->d.resize(8 * static_cast<size_t>(cells));
+  polys->f.resize(polys->d.size());
+  for (int k = 0; k < cells; ++k) {
+    collapse_cell(P.table, k, P.delta_js, P.delta_ws, &polys->d[8 * static_cast<size_t>(k)]);
+  }
+  for (size_t i = 0; i < polys->d.size(); ++i) polys->f[i] = static_cast<float>(polys->d[i]);
+  if (cache.size() >= 256) cache.clear();  // tables are few and δ rarely changes; bound the memory anyway
+  cache.emplace(key, polys);
+  return polys;
+}
+
+// ---- the vectorisable float32 loops (contiguous runs) ----------------------------------------------------
+// Blocks of kBlock elements in passes, so that the transcendental passes vectorise (the compiler will not
+// vectorise the table gathers, so they get a short scalar pass of their own):
+//   1. p, 1 - p, t = logit p, and per-token δ terms  (vector)
+//   2. cell lookup and the cubics                     (scalar: the gathers)
+//   3. tails, the exp of the lower bound, cap, clamp  (vector)
+// Closed forms need no table and run in one double-precision vector pass.
+constexpr int kBlock = 256;
+
+struct FastRun {
+  const BandParams* P;
+  const DeltaConsts<float>* c;
+  const float* x;       // p or log p
+  const float* delta;   // per-token δ, or null
+  const float* ratio;   // clip only
+  float* lo;            // bounds only
+  float* up;
+  float* out;           // clip only
+  int64_t n;
+};
+
+template <bool CLIP>
+__attribute__((always_inline)) inline void store(const FastRun& a, int64_t i, float l, float u, float cap) {
+  u = u > cap ? cap : u;
+  if (CLIP) {
+    a.out[i] = clamp_like_torch<float>(a.ratio[i], l, u);
+  } else {
+    a.lo[i] = l;
+    a.up[i] = u;
+  }
+}
+
+template <bool LOG, bool CLIP, bool TOKEN>
+__attribute__((always_inline)) inline void kl_f32_run(const FastRun& a) {
+  const BandParams& P = *a.P;
+  const float cap = static_cast<float>(P.max_ratio);
+  const TableView tb = P.table;
+  const DeltaConsts<float> c0 = *a.c;
+  const float* __restrict cells = P.cell_f;
+  const float* __restrict x = a.x;
+  const float* __restrict dl = a.delta;
+  alignas(64) float p[kBlock], omp[kBlock], t[kBlock], q[kBlock], kap[kBlock], ut[kBlock], us[kBlock];
+  alignas(64) int it[kBlock], js[kBlock];
+  for (int64_t start = 0; start < a.n; start += kBlock) {
+    const int m = static_cast<int>(a.n - start < kBlock ? a.n - start : kBlock);
+    for (int i = 0; i < m; ++i) prob_terms_t<LOG, float>(x[start + i], p[i], omp[i], t[i]);
+    // Cell indices in a vector pass of their own: fused with the gathers below, the loop runs 10x slower.
+    for (int i = 0; i < m; ++i) it[i] = axis_cell<float>(t[i], tb.t_min, tb.t_step, tb.nt, ut[i]);
+    if (TOKEN) {
+      for (int i = 0; i < m; ++i) js[i] = axis_cell<float>(log_f32(dl[start + i]), tb.s_min, tb.s_step, tb.ns, us[i]);
+      for (int i = 0; i < m; ++i) spline2d_cells<float>(tb, it[i], ut[i], js[i], us[i], q[i], kap[i]);
+    } else {
+      for (int i = 0; i < m; ++i) {
+        const float* cf = cells + 8 * it[i];
+        const float u = ut[i];
+        q[i] = cf[0] + u * (cf[1] + u * (cf[2] + u * cf[3]));
+        kap[i] = cf[4] + u * (cf[5] + u * (cf[6] + u * cf[7]));
+      }
+    }
+    for (int i = 0; i < m; ++i) {
+      float l, u;
+      if (TOKEN) {
+        const float d = dl[start + i];
+        const DeltaConsts<float> c = delta_consts<float>(d);
+        kl_finish<float>(p[i], omp[i], t[i], q[i], kap[i], c, tb, l, u);
+        const float nan = bits_to_float(0x7fc00000);
+        const bool ok = delta_valid<float>(tb, d);
+        l = ok ? l : nan;
+        u = ok ? u : nan;
+      } else {
+        kl_finish<float>(p[i], omp[i], t[i], q[i], kap[i], c0, tb, l, u);
+      }
+      store<CLIP>(a, start + i, l, u, cap);
+    }
+  }
+}
+
+template <int DIV, bool LOG, bool CLIP, bool TOKEN>
+__attribute__((always_inline)) inline void closed_f32_run(const FastRun& a) {
+  const BandParams& P = *a.P;
+  const float cap = static_cast<float>(P.max_ratio);
+  const TableView tb = P.table;
+  const double d0 = P.delta;
+  const float* __restrict x = a.x;
+  const float* __restrict dl = a.delta;
+  for (int64_t i = 0; i < a.n; ++i) {
+    double p, omp, t, l, u;
+    prob_terms_t<LOG, double>(static_cast<double>(x[i]), p, omp, t);
+    const double d = TOKEN ? static_cast<double>(dl[i]) : d0;
+    closed_form_bounds(DIV, p, omp, d, l, u);
+    if (TOKEN) {
+      const bool ok = delta_valid<double>(tb, d);
+      l = ok ? l : std::numeric_limits<double>::quiet_NaN();
+      u = ok ? u : std::numeric_limits<double>::quiet_NaN();
+    }
+    store<CLIP>(a, i, static_cast<float>(l), static_cast<float>(u), cap);
+  }
+}
+
+template <bool LOG, bool CLIP, bool TOKEN>
+__attribute__((always_inline)) inline void f32_run_div(const FastRun& a) {
+  switch (a.P->divergence) {
+    case kKL: kl_f32_run<LOG, CLIP, TOKEN>(a); break;
+    case kTV: closed_f32_run<kTV, LOG, CLIP, TOKEN>(a); break;
+    case kChi2: closed_f32_run<kChi2, LOG, CLIP, TOKEN>(a); break;
+    default: closed_f32_run<kHellinger, LOG, CLIP, TOKEN>(a); break;
+  }
+}
+
+// One multi-versioned entry point; the flags pick a fully specialised, inlined loop.
+BANDPO_CPU_CLONES void f32_contiguous(const FastRun& a, bool log_input, bool clip, bool token) {
+  const int combo = (log_input ? 4 : 0) | (clip ? 2 : 0) | (token ? 1 : 0);
+  switch (combo) {
+    case 0: f32_run_div<false, false, false>(a); break;
+    case 1: f32_run_div<false, false, true>(a); break;
+    case 2: f32_run_div<false, true, false>(a); break;
+    case 3: f32_run_div<false, true, true>(a); break;
+    case 4: f32_run_div<true, false, false>(a); break;
+    case 5: f32_run_div<true, false, true>(a); break;
+    case 6: f32_run_div<true, true, false>(a); break;
+    default: f32_run_div<true, true, true>(a); break;
+  }
+}
+
+// ---- generic strided loops -----------------------------------------------------------------------------
+// Operand order in the iterator: outputs first, then [ratio,] prob[, delta].
+template <typename scalar_t, bool CLIP>
+void run_generic(at::TensorIterator& iter, const BandParams& P, bool per_token) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(P.delta));
+  const int n_out = CLIP ? 1 : 2;
+  iter.for_each([&](char** data, const int64_t* strides, int64_t n) {
+    const int in0 = n_out;  // first input operand
+    const int ip = CLIP ? in0 + 1 : in0;
+    bool contiguous = true;
+    for (int k = 0; k < iter.ntensors(); ++k) contiguous = contiguous && strides[k] == sizeof(scalar_t);
+    if constexpr (std::is_same<scalar_t, float>::value) {
+      if (contiguous) {
+        FastRun a{&P, &c, reinterpret_cast<const float*>(data[ip]),
+                  per_token ? reinterpret_cast<const float*>(data[ip + 1]) : nullptr,
+                  CLIP ? reinterpret_cast<const float*>(data[in0]) : nullptr,
+                  CLIP ? nullptr : reinterpret_cast<float*>(data[0]),
+                  CLIP ? nullptr : reinterpret_cast<float*>(data[1]),
+                  CLIP ? reinterpret_cast<float*>(data[0]) : nullptr, n};
+        f32_contiguous(a, P.log_input, CLIP, per_token);
+        return;
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const acc_t x = static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(data[ip] + i * strides[ip]));
+      const acc_t d = per_token
+          ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(data[ip + 1] + i * strides[ip + 1]))
+          : c.delta;
+      acc_t l, u;
+      if (per_token) {
+        band_element<acc_t, true>(P, c, x, d, l, u);
+      } else {
+        band_element<acc_t, false>(P, c, x, d, l, u);
+      }
+      if (CLIP) {
+        const acc_t r = static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(data[in0] + i * strides[in0]));
+        *reinterpret_cast<scalar_t*>(data[0] + i * strides[0]) =
+            static_cast<scalar_t>(clamp_like_torch<acc_t>(r, l, u));
+      } else {
+        *reinterpret_cast<scalar_t*>(data[0] + i * strides[0]) = static_cast<scalar_t>(l);
+        *reinterpret_cast<scalar_t*>(data[1] + i * strides[1]) = static_cast<scalar_t>(u);
+      }
+    }
+  });
+}
+
+BandParams params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
+                             bool log_input, double delta, double max_ratio, bool per_token,
+                             std::shared_ptr<const CellPolys>& keep) {
+  BandParams P = make_params(table, grid, divergence, log_input, delta, max_ratio);
+  if (divergence == kKL && !per_token) {
+    keep = cell_polys(P);
+    P.cell_f = keep->f.data();
+    P.cell_d = keep->d.data();
+  }
+  return P;
+}
+
+std::tuple<at::Tensor, at::Tensor> bounds_cpu(const at::Tensor& prob, const c10::optional<at::Tensor>& delta,
+                                              double delta_scalar, const at::Tensor& table,
+                                              c10::ArrayRef<double> grid, int64_t divergence, bool log_input,
+                                              double max_ratio) {
+  check_prob_and_delta("bounds", prob, delta, table, grid, divergence, max_ratio);
+  const bool per_token = delta.has_value();
+  const auto shape = broadcast_shape("bounds", {prob, per_token ? *delta : at::Tensor()});
+  at::Tensor lo = at::empty(shape, prob.options());
+  at::Tensor up = at::empty(shape, prob.options());
+  auto cfg = at::TensorIteratorConfig();
+  cfg.add_output(lo).add_output(up).add_const_input(prob);
+  if (per_token) cfg.add_const_input(*delta);
+  cfg.check_all_same_dtype(true).resize_outputs(false);
+  auto iter = cfg.build();
+  std::shared_ptr<const CellPolys> keep;
+  const BandParams P = params_with_cells(table, grid, divergence, log_input, delta_scalar, max_ratio, per_token, keep);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::bounds", [&] {
+    run_generic<scalar_t, false>(iter, P, per_token);
+  });
+  return {lo, up};
+}
+
+at::Tensor clip_cpu(const at::Tensor& ratio, const at::Tensor& prob, const c10::optional<at::Tensor>& delta,
+                    double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
+                    bool log_input, double max_ratio) {
+  check_prob_and_delta("clip", prob, delta, table, grid, divergence, max_ratio);
+  TORCH_CHECK(ratio.scalar_type() == prob.scalar_type(), "clip: ratio dtype ", ratio.scalar_type(),
+              " differs from p_old's ", prob.scalar_type());
+  TORCH_CHECK(ratio.device() == prob.device(), "clip: ratio is on ", ratio.device(), " but p_old is on ",
+              prob.device());
+  const bool per_token = delta.has_value();
+  const auto shape = broadcast_shape("clip", {ratio, prob, per_token ? *delta : at::Tensor()});
+  at::Tensor out = at::empty(shape, ratio.options());
+  auto cfg = at::TensorIteratorConfig();
+  cfg.add_output(out).add_const_input(ratio).add_const_input(prob);
+  if (per_token) cfg.add_const_input(*delta);
+  cfg.check_all_same_dtype(true).resize_outputs(false);
+  auto iter = cfg.build();
+  std::shared_ptr<const CellPolys> keep;
+  const BandParams P = params_with_cells(table, grid, divergence, log_input, delta_scalar, max_ratio, per_token, keep);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::clip", [&] {
+    run_generic<scalar_t, true>(iter, P, per_token);
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace bandpo
+
+TORCH_LIBRARY_IMPL(bandpo_lut, CPU, m) {
+  m.impl("bounds", &bandpo::bounds_cpu);
+  m.impl("clip", &bandpo::clip_cpu);
+}
