@@ -50,7 +50,8 @@ def monotonicity_violations(table, n_p: int, n_delta: int):
     return rises(finite_up, 1), falls(lo, 1), falls(finite_up, 0), rises(lo, 0)
 
 
-def verify_file(path, points, seed, n_p, n_delta, tolerance=None, out=sys.stdout) -> bool:
+def verify_file(path, points, seed, n_p, n_delta, tolerance=None, out=None) -> bool:
+    out = out or sys.stdout
     import torch
 
     from .reference.bounds import bounds

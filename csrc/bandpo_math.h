@@ -98,7 +98,7 @@ BANDPO_HD void collapse_cell(const TableView& tb, int k, int js, const double ws
     double d[4];
     for (int a = 0; a < 4; ++a) {
       const float* row = base + static_cast<std::int64_t>(k + a) * ncol + js;
-      d[a] = ws[0] * row[0] + ws[1] * row[1] + ws[2] * row[2] + ws[3] * row[3];
+      d[a] = ws[0] * load_ro(row) + ws[1] * load_ro(row + 1) + ws[2] * load_ro(row + 2) + ws[3] * load_ro(row + 3);
     }
     out[4 * b + 0] = (d[0] + 4.0 * d[1] + d[2]) / 6.0;
     out[4 * b + 1] = (d[2] - d[0]) / 2.0;
@@ -128,7 +128,8 @@ BANDPO_HD void spline2d_cells(const TableView& tb, int it, T ut, int js, T us, T
     T sum = T(0);
     for (int a = 0; a < 4; ++a) {
       const float* row = base + static_cast<std::int64_t>(it + a) * ncol + js;
-      sum += wt[a] * (ws[0] * T(row[0]) + ws[1] * T(row[1]) + ws[2] * T(row[2]) + ws[3] * T(row[3]));
+      sum += wt[a] * (ws[0] * T(load_ro(row)) + ws[1] * T(load_ro(row + 1)) + ws[2] * T(load_ro(row + 2)) +
+                      ws[3] * T(load_ro(row + 3)));
     }
     acc[b] = sum;
   }

@@ -40,6 +40,15 @@ BANDPO_HD std::int32_t float_to_bits(float f) {
 #endif
 }
 
+// A read of table memory: through the read-only (texture) cache on the GPU, a plain load on the host.
+BANDPO_HD float load_ro(const float* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldg(p);
+#else
+  return *p;
+#endif
+}
+
 // log(x): x = m·2^e with m in [√½, √2), log m = 2·atanh(z), z = (m-1)/(m+1), |z| ≤ 0.1716, whose odd
 // series to z^11 is exact to 2e-10 relative; e·ln2 is added in two parts (Cody–Waite).
 BANDPO_HD float log_f32(float x) {

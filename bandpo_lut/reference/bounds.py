@@ -142,6 +142,9 @@ def bounds(p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, table=Non
     if pol_up:
         q_up = _newton_q(div, ps, omps, q_up, d, pol_up, ps, one)
     q_up = torch.clamp(q_up, min=ps, max=one)
+    # Within 1e-12 of the simplex edge (far below the table's accuracy) the bound is 1/p: without this
+    # snap, float64 rounding noise of the spline (~4e-16) would make r_up jitter by 2 ulp across δ.
+    q_up = torch.where(q_up > 1 - 1e-12, one, q_up)
     sat_up = (t > table.t.max) | div.upper_saturated(ps, omps, d, m) if div.f_at_zero is not None \
         else (t > table.t.max)
     upper = torch.where(sat_up, 1 / ps, q_up / ps)

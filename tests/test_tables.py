@@ -1,0 +1,166 @@
+"""Table files: format validation, deterministic generation, the CLI, and the shipped tables' accuracy
+and monotonicity through the pure-PyTorch reader, against mpmath."""
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from bandpo_lut import accuracy, table_format, tables
+from bandpo_lut.cli import main
+from bandpo_lut.generate import generate
+from bandpo_lut.reference.bounds import bounds as ref_bounds
+from bandpo_lut.verify import monotonicity_violations
+
+from conftest import rel_error_lower, rel_error_upper
+
+# A small but valid table (the tail rules need |logit p| >= ~10 for δ >= 0.05).
+SMALL = dict(t_max=10.0, t_density=4, delta_min=0.05, delta_max=0.5, s_nodes=6, ghost=6, dps=30,
+             dtype="float32", accuracy_points=20, workers=1, progress=False)
+
+
+@pytest.fixture(scope="module")
+def small_blob():
+    return generate("kl", **SMALL)
+
+
+def test_generation_is_deterministic(small_blob):
+    assert generate("kl", **SMALL) == small_blob
+
+
+def test_header_records_provenance(small_blob):
+    h = table_format.decode(small_blob).header
+    for key in ("divergence", "grid", "values", "interpolation", "storage_dtype", "working_precision",
+                "generator", "accuracy", "payload_sha256", "banner", "delta_range"):
+        assert key in h
+    assert h["working_precision"]["dps"] == 30 and h["working_precision"]["library"] == "mpmath"
+    assert h["divergence"]["formula"] == "f(u) = -log(u) + u - 1"
+    assert "do not edit" in h["banner"]
+
+
+def test_corrupt_truncated_foreign_and_newer_files_are_refused(small_blob, tmp_path):
+    def refused(blob, match):
+        path = tmp_path / "t.bplut"
+        path.write_bytes(blob)
+        with pytest.raises(table_format.TableFormatError, match=match):
+            tables.load(path)
+
+    refused(small_blob[:-10], "truncated")
+    refused(small_blob + b"\0", "trailing")
+    flipped = bytearray(small_blob)
+    flipped[-100] ^= 0xFF
+    refused(bytes(flipped), "sha256")
+    refused(b"PK\x03\x04" + small_blob[4:], "not a bandpo_lut table")
+    refused(b"", "not a bandpo_lut table")
+    newer = small_blob[:10] + struct.pack("<I", table_format.FORMAT_VERSION + 1) + small_blob[14:]
+    refused(newer, "newer")
+    hlen = struct.unpack_from("<I", small_blob, 14)[0]
+    bad_header = small_blob[:18] + b"{" * hlen + small_blob[18 + hlen:]
+    refused(bad_header, "corrupt table header")
+
+
+def test_write_is_atomic_and_leaves_no_temporaries(small_blob, tmp_path):
+    out = tmp_path / "sub" / "kl.bplut"
+    table_format.write_atomic(out, small_blob)
+    table_format.write_atomic(out, small_blob)
+    assert out.read_bytes() == small_blob
+    assert [p.name for p in out.parent.iterdir()] == ["kl.bplut"]
+
+
+def test_delta_outside_range_is_refused():
+    with pytest.raises(ValueError, match=r"delta: 2.0 is outside"):
+        ref_bounds(torch.tensor([0.5]), 2.0, "kl")
+    with pytest.raises(ValueError, match="outside"):
+        ref_bounds(torch.tensor([0.5]), 1.0, "tv")          # tv's range excludes 1
+    with pytest.raises(ValueError, match="outside"):
+        ref_bounds(torch.tensor([0.5]), 1e-4, "chi2")
+    lo, up = ref_bounds(torch.tensor([0.5, 0.5]), torch.tensor([0.05, 5.0]), "kl")   # tensor: NaN, no sync
+    assert not torch.isnan(lo[0]) and torch.isnan(lo[1]) and torch.isnan(up[1])
+
+
+def test_unknown_divergence_and_missing_table():
+    with pytest.raises(ValueError, match="unknown divergence 'nope'"):
+        ref_bounds(torch.tensor([0.5]), 0.05, "nope")
+    with pytest.raises(FileNotFoundError, match="no table shipped for 'reverse_kl'"):
+        ref_bounds(torch.tensor([0.5]), 0.05, "reverse_kl")
+
+
+def test_shipped_tables_are_small():
+    for name in tables.SHIPPED:
+        path = tables.shipped_path(name)
+        assert path.stat().st_size <= 512 * 1024, path
+        assert tables.get(name).header["accuracy"]["upper_max_rel_error"] <= 2e-7
+
+
+@pytest.mark.parametrize("name", tables.SHIPPED)
+def test_shipped_tables_accuracy_against_mpmath(name):
+    table = tables.get(name)
+    p, d = accuracy.sample_points(400, table.delta_min, table.delta_max, seed=777, t_max=table.t.max,
+                                  delta_max_inclusive=table.delta_max_inclusive)
+    p[:8] = [1e-9, 3e-12, 1e-300, 0.0, 1.0, 1 - 1e-7, 1 - 3e-10, 0.5]   # whole range, with the edges
+    lo, up = ref_bounds(torch.from_numpy(p), torch.from_numpy(d), name)
+    rlo, rup = accuracy.exact_bounds_f64(p, d, name)
+    eu = rel_error_upper(up, torch.from_numpy(rup))
+    el = rel_error_lower(lo, torch.from_numpy(rlo))
+    assert eu.max() <= 2e-7, (name, p[eu.argmax()], d[eu.argmax()])
+    assert el.max() <= 2e-7, (name, p[el.argmax()], d[el.argmax()])
+    # float32 inputs: same reader, results rounded to float32
+    lo32, up32 = ref_bounds(torch.from_numpy(p).float(), torch.from_numpy(d), name)
+    rlo32, rup32 = accuracy.exact_bounds_f64(p.astype(np.float32).astype(np.float64), d, name)
+    assert lo32.dtype == torch.float32
+    assert rel_error_upper(up32, torch.from_numpy(rup32)).max() <= 2e-7
+    assert rel_error_lower(lo32, torch.from_numpy(rlo32), torch.float32).max() <= 1e-6
+
+
+@pytest.mark.parametrize("name", tables.SHIPPED)
+def test_shipped_tables_are_monotone(name):
+    assert monotonicity_violations(tables.get(name), 4000, 200) == (0, 0, 0, 0)
+
+
+def test_reference_log_p_old_keeps_accuracy_near_one():
+    lp = torch.tensor([-1e-12, -1e-9, -3e-8, -1e-5, 0.0, -math.inf], dtype=torch.float64)
+    lo, up = ref_bounds(log_p_old=lp, delta=0.05, divergence="kl")
+    for i, v in enumerate(lp.tolist()):
+        import mpmath
+        from bandpo_lut import exact
+        rlo, rup = exact.bounds_from_logp(v, 0.05, "kl") if v > -math.inf else (0, mpmath.inf)
+        assert float(lo[i]) == pytest.approx(float(rlo), rel=2e-7, abs=0)
+        assert float(up[i]) == pytest.approx(float(rup), rel=2e-7)
+
+
+def test_reference_special_values():
+    p = torch.tensor([0.0, 1.0, math.nan, -0.1, 1.5], dtype=torch.float64)
+    lo, up = ref_bounds(p, 0.05, "kl")
+    assert lo[0] == 0 and math.isinf(up[0])
+    assert float(lo[1]) == pytest.approx(math.exp(-0.05), rel=1e-12) and up[1] == 1
+    assert torch.isnan(lo[2:]).all() and torch.isnan(up[2:]).all()
+    with pytest.raises(ValueError, match="exactly one"):
+        ref_bounds(p, 0.05, log_p_old=p)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        ref_bounds(torch.tensor([1, 2]), 0.05)
+
+
+def test_generate_and_verify_cli(tmp_path, capsys):
+    out = tmp_path / "kl_small.bplut"
+    args = ["generate", "--divergence", "kl", "--out", str(out), "--t-max", "10", "--t-density", "4",
+            "--delta-min", "0.05", "--delta-max", "0.5", "--s-nodes", "6", "--ghost", "6", "--dps", "30",
+            "--accuracy-points", "10", "--workers", "2", "--quiet"]
+    assert main(args) == 0
+    assert "wrote" in capsys.readouterr().out
+    # a coarse table misses 1e-6 and must fail verify; a shipped table passes
+    assert main(["verify", str(out), "--points", "30", "--dense-p", "200", "--dense-delta", "20"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+    assert main(["verify", str(tables.shipped_path("chi2")), "--points", "30", "--dense-p", "400",
+                 "--dense-delta", "40"]) == 0
+    corrupt = tmp_path / "bad.bplut"
+    corrupt.write_bytes(out.read_bytes()[:-7])
+    assert main(["verify", str(corrupt), "--points", "5"]) == 1
+    assert "truncated" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["generate", "--divergence", "kl", "--s-nodes", "2"])
+    with pytest.raises(SystemExit):
+        main(["generate"])      # --divergence is required
