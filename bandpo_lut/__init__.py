@@ -1,2 +1,32 @@
-"""bandpo_lut: BandPO trust-region ratio bounds by table lookup, for PPO-family losses."""
+"""bandpo_lut: BandPO trust-region ratio bounds by table lookup, for PPO-family losses.
+
+    lower, upper = bandpo_lut.bounds(p_old, delta=0.05)           # the band
+    clipped = bandpo_lut.clip(ratio, p_old, delta=0.05)           # torch.clamp(ratio, lower, upper)
+
+Importing the package compiles and loads nothing: the compiled extension is loaded on first use.
+"""
 __version__ = "0.1.0"
+
+from .api import bounds, clip  # noqa: E402
+from .divergences import names as divergence_names  # noqa: E402
+
+
+def build_info() -> dict:
+    """What the compiled extension was built with (CUDA or CPU, versions, arch list) and the shipped
+    tables' provenance."""
+    from . import _extension, tables
+
+    info = dict(_extension.build_info())
+    info["tables"] = {}
+    for name in tables.SHIPPED:
+        try:
+            h = tables.get(name).header
+            info["tables"][name] = {"path": str(tables.shipped_path(name)), "sha256": h["payload_sha256"],
+                                    "generator": h["generator"], "accuracy": h.get("accuracy"),
+                                    "delta_range": h["delta_range"]}
+        except (OSError, ValueError) as e:
+            info["tables"][name] = {"error": str(e)}
+    return info
+
+
+__all__ = ["bounds", "clip", "build_info", "divergence_names", "__version__"]
