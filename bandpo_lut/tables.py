@@ -19,7 +19,7 @@ import numpy as np
 from . import divergences, table_format
 from .table_format import TableFormatError
 
-SHIPPED = ("kl", "tv", "chi2")
+SHIPPED = ("kl", "tv", "chi2", "hellinger")
 SUFFIX = ".bplut"
 
 

@@ -83,7 +83,7 @@ BANDPO_HD int axis_cell(T x, double x0, double step, int n, T& u) {
   const T inv = T(1.0 / step);
   int i = static_cast<int>((xc - lo) * inv);
   i = i < 0 ? 0 : (i > n - 2 ? n - 2 : i);
-  const T xi = T(x0 + i * step);
+  const T xi = lo + T(i) * T(step);   // exact for a dyadic step (the t axis); rounded once otherwise
   T f = (xc - xi) * inv;
   u = f < T(0) ? T(0) : (f > T(1) ? T(1) : f);
   return i;
@@ -195,9 +195,9 @@ BANDPO_HD void kl_tail_upper(T p, T omp, T t, const DeltaConsts<T>& c, T& q) {
 }
 
 template <typename T>
-BANDPO_HD T kl_tail_lower_log(T p, T omp, T t, const DeltaConsts<T>& c) {
+BANDPO_HD T kl_tail_lower_log(T inv_p, T omp, T t, const DeltaConsts<T>& c) {
   const T tt = t > T(1000) ? T(1000) : t;
-  return -(c.delta + omp * (tt + c.log_rho0 + omp / (p * c.rho0))) / p;
+  return -(c.delta + omp * (tt + c.log_rho0 + omp * inv_p / c.rho0)) * inv_p;
 }
 
 // Double-precision refinements of the tails by the exact fixed points (scalar code paths only).
@@ -220,9 +220,10 @@ BANDPO_HD void kl_finish(T p, T omp, T t, T q_tab, T kappa, const DeltaConsts<T>
   T q_tail;
   kl_tail_upper<T>(p, omp, t, c, q_tail);
   q = (t < tmin) ? q_tail : q;
-  up = (t > tmax) ? T(1) / p : q / p;
-  T L = -(c.delta / p) * kappa;
-  L = (t > tmax) ? kl_tail_lower_log<T>(p, omp, t, c) : L;
+  const T inv_p = T(1) / p;   // one division serves every quotient below
+  up = (t > tmax) ? inv_p : q * inv_p;
+  T L = -(c.delta * inv_p) * kappa;
+  L = (t > tmax) ? kl_tail_lower_log<T>(inv_p, omp, t, c) : L;
   lo = exp_any(L);
   lo = (omp == T(0)) ? c.exp_neg : lo;
 }

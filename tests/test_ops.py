@@ -128,15 +128,17 @@ def test_broadcasting_noncontiguous_and_empty(device):
     out = bandpo_lut.clip(ratio, p, d)
     lo, up = bandpo_lut.bounds(p.contiguous(), d.expand(33, 7).contiguous())
     assert out.shape == (33, 7)
-    torch.testing.assert_close(out, torch.clamp(ratio.expand(33, 7), lo, up), rtol=0, atol=0)
+    # strided operands take the scalar loop, contiguous ones the vectorised (FMA) loop: a few ulp apart
+    torch.testing.assert_close(out, torch.clamp(ratio.expand(33, 7), lo, up), rtol=1e-6, atol=0)
     lo2, up2 = bandpo_lut.bounds(p, 0.07)
-    torch.testing.assert_close(lo2, lo, rtol=1e-6, atol=0)
+    assert rel_error_lower(lo2, lo.double(), torch.float32).max() <= 2e-6    # scalar-δ vs per-token path
+    assert rel_error_upper(up2, up).max() <= 2e-6
     e = torch.empty(0, 5, device=device)
     assert bandpo_lut.clip(e, e, 0.05).shape == (0, 5)
     assert bandpo_lut.bounds(torch.tensor(0.3, device=device))[0].shape == ()
     strided = torch.rand(4000, device=device)[::3]
     torch.testing.assert_close(bandpo_lut.bounds(strided)[1], bandpo_lut.bounds(strided.contiguous())[1],
-                               rtol=0, atol=0)
+                               rtol=1e-6, atol=0)
 
 
 # ---- autograd ---------------------------------------------------------------------------------------------

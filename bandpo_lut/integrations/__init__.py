@@ -1,0 +1,13 @@
+"""Trainer integrations: BandPO as a one-line switch in the trainer you already run.
+
+- `bandpo_lut.integrations.verl`: importing it registers the verl policy loss ``"bandpo"``
+  (``actor_rollout_ref.actor.policy_loss.loss_mode=bandpo``) and provides `BandPolicyLossConfig`,
+  the ``policy_loss`` config that carries the band settings.
+- `bandpo_lut.integrations.trl`: `BandGRPOConfig` / `BandGRPOTrainer`, TRL's GRPO with the band in
+  place of its per-token clip.
+
+Neither submodule is imported here: each needs its framework installed (pinned versions in
+``requirements-integrations.txt``), and importing this package must not require either.
+"""
+
+__all__ = ["verl", "trl"]

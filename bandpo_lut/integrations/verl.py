@@ -1,0 +1,346 @@
+"""BandPO for verl: importing this module registers the policy loss ``"bandpo"``.
+
+Tested with verl 0.9.1 (see ``requirements-integrations.txt``). What a verl user adds::
+
+    actor_rollout_ref.actor.policy_loss.loss_mode=bandpo
+    actor_rollout_ref.actor.policy_loss._target_=bandpo_lut.integrations.verl.BandPolicyLossConfig
+    +actor_rollout_ref.actor.policy_loss.band_delta=0.05
+    +actor_rollout_ref.actor.policy_loss.band_divergence=kl
+    +actor_rollout_ref.actor.policy_loss.band_max_ratio=10
+    +actor_rollout_ref.actor.policy_loss.band_dual_clip=10
+
+How it fits verl:
+
+- **Registration.** ``@register_policy_loss("bandpo")`` on import, so
+  ``verl.trainer.ppo.core_algos.get_policy_loss_fn("bandpo")`` is `compute_policy_loss_bandpo`.
+- **Settings.** verl builds its config dataclasses strictly (an unknown key fails), so the band
+  settings live in a subclass of verl's ``PolicyLossConfig``, `BandPolicyLossConfig`, named by the
+  ``_target_`` of the ``policy_loss`` section; the ``+`` tells Hydra the keys are new. Unknown or
+  invalid band settings fail when verl builds the config, with a message naming the key.
+- **Import in the workers.** verl instantiates the actor config (and so imports this module through
+  the ``_target_``) in the driver and in every worker process that builds an actor, i.e. exactly
+  where the loss is looked up. No further switch is needed; verl's own hooks work too, e.g.
+  ``actor_rollout_ref.model.external_lib=bandpo_lut.integrations.verl`` (imported by
+  ``HFModelConfig``) or the environment variable ``VERL_USE_EXTERNAL_MODULES=bandpo_lut.integrations.verl``
+  (imported by ``import verl``; it must reach the Ray workers' environment).
+- **Call convention** (verl 0.9.1, ``verl.workers.utils.losses.ppo_loss``): keyword arguments
+  ``old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights``;
+  returns ``(loss, metrics)``. Checked at import against verl's own ``vanilla`` loss.
+- **Aggregation.** Every ``actor.loss_agg_mode`` ("token-mean", "token-sum", "seq-mean-token-mean",
+  "seq-mean-token-sum", "seq-mean-token-sum-norm"), normalised by verl's global batch information
+  (``config.global_batch_info``: dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+  exactly as verl's ``agg_loss`` does, so gradients do not depend on micro-batching or dp size.
+- **Rollout importance weights.** When verl passes ``rollout_is_weights`` (non-negative, no gradient)
+  each token's loss is multiplied by its weight, as in verl's own losses. It is folded into the
+  advantage (w * max(-A r, -A clip(r)) = max(-(wA) r, -(wA) clip(r)) for w >= 0, and likewise for
+  the dual clip), which is exact for the loss and its gradient; the only trace in the metrics is that
+  a token with weight 0 counts as never clipped.
+- **Metrics.** 0-dim tensors, detached, never converted here: verl converts them when it logs
+  (``Metric.from_dict``), and averages them over micro-batches and dp ranks. Names:
+  ``actor/pg_clipfrac`` (= our clip_frac), ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` (verl's
+  meaning: the dual-clip fraction) for verl's dashboards, and every fraction of
+  `bandpo_lut.policy_loss` under ``actor/bandpo/<name>``; with ``band_log_counts=True`` also the raw
+  counts (``actor/bandpo/n_*``), whose averaged ratios are the exact global fractions (verl averages
+  the same number of micro-batches on every rank).
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import logging
+import math
+import warnings
+from dataclasses import dataclass, fields
+from numbers import Real
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import torch
+
+import bandpo_lut
+
+try:
+    import verl
+    from verl.trainer.ppo import core_algos
+    from verl.workers.config import PolicyLossConfig
+except ImportError as exc:  # pragma: no cover - exercised only without verl
+    raise ImportError(
+        "bandpo_lut.integrations.verl needs verl (tested: verl==0.9.1). Install the pinned "
+        "integration requirements: pip install -r requirements-integrations.txt"
+    ) from exc
+
+__all__ = ["BandPolicyLossConfig", "compute_policy_loss_bandpo", "LOSS_NAME", "TESTED_VERL"]
+
+LOSS_NAME = "bandpo"
+TESTED_VERL = ("0.9.1",)
+
+logger = logging.getLogger(__name__)
+
+# The calling convention this module implements: verl's own loss has exactly these parameters.
+_EXPECTED_LOSS_PARAMS = ("old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode",
+                         "config", "rollout_is_weights")
+_EXPECTED_AGG_PARAMS = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
+
+
+def _check_verl_convention() -> None:
+    """Fail at import, not in the middle of a run, if this verl calls its losses differently."""
+    version = getattr(verl, "__version__", "unknown")
+    vanilla = getattr(core_algos, "compute_policy_loss_vanilla", None)
+    agg = getattr(core_algos, "agg_loss", None)
+    problems = []
+    if not callable(getattr(core_algos, "register_policy_loss", None)):
+        problems.append("verl.trainer.ppo.core_algos.register_policy_loss is missing")
+    if vanilla is None:
+        problems.append("verl.trainer.ppo.core_algos.compute_policy_loss_vanilla is missing")
+    elif tuple(inspect.signature(vanilla).parameters) != _EXPECTED_LOSS_PARAMS:
+        problems.append(f"verl's policy losses take {tuple(inspect.signature(vanilla).parameters)}, "
+                        f"this integration implements {_EXPECTED_LOSS_PARAMS}")
+    if agg is None or not set(_EXPECTED_AGG_PARAMS) <= set(inspect.signature(agg).parameters):
+        problems.append(f"verl's agg_loss no longer takes the global batch info {_EXPECTED_AGG_PARAMS}")
+    if problems:
+        raise ImportError(f"bandpo_lut.integrations.verl supports verl {', '.join(TESTED_VERL)}; the "
+                          f"installed verl {version} differs: " + "; ".join(problems))
+    if version not in TESTED_VERL:
+        warnings.warn(f"bandpo_lut.integrations.verl was tested with verl {', '.join(TESTED_VERL)}, "
+                      f"not {version}; its policy-loss convention matches, so it is used anyway",
+                      stacklevel=3)
+
+
+_check_verl_convention()
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+
+
+_CLIPS = ("band", "fixed", "dcpo")
+_MODES = ("clip", "mask")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool)
+
+
+@dataclass
+class BandPolicyLossConfig(PolicyLossConfig):
+    """verl's ``PolicyLossConfig`` plus the BandPO settings (``actor.policy_loss`` section).
+
+    Select it with ``actor_rollout_ref.actor.policy_loss._target_=`` this class and
+    ``loss_mode=bandpo``; set the fields below with ``+actor_rollout_ref.actor.policy_loss.<field>=``.
+
+    Args:
+        band_delta (float): trust-region radius δ (paper: 0.05).
+        band_divergence (str): f-divergence of the trust region, "kl" (paper), "tv" or "chi2".
+        band_max_ratio (Optional[float]): cap on the upper ratio bound (paper: 10); None = no cap.
+        band_dual_clip (Optional[float]): dual-clip constant c > 1 for A < 0 tokens (paper: 10);
+            None = off. (verl's ``actor.clip_ratio_c`` belongs to the vanilla loss and is not used.)
+        band_clip (str): "band" (BandPO), or a baseline through the same kernel: "fixed" (PPO/DAPO
+            with verl's ``actor.clip_ratio_low`` / ``clip_ratio_high``) or "dcpo" (DCPO's dynamic
+            bounds, with the same two ε).
+        band_mode (str): "clip" (default), or "mask": tokens outside the band keep the unclipped
+            value but lose their gradient (DPPO-style).
+        band_log_counts (bool): also return the raw counts as metrics (``actor/bandpo/n_*``).
+    """
+
+    loss_mode: str = LOSS_NAME
+    band_delta: float = 0.05
+    band_divergence: str = "kl"
+    band_max_ratio: Optional[float] = None
+    band_dual_clip: Optional[float] = None
+    band_clip: str = "band"
+    band_mode: str = "clip"
+    band_log_counts: bool = False
+
+    def __new__(cls, *args, **kwargs):
+        # Hydra instantiates the config with every key of the YAML section as a keyword; catch
+        # a misspelt band setting here, with a useful message, instead of dataclass's bare TypeError.
+        known = {f.name for f in fields(cls)} | {"_target_"}
+        unknown = [k for k in kwargs if k not in known]
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, sorted(known - {"_target_"}), n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            band = ", ".join(f.name for f in fields(cls) if f.name.startswith("band_"))
+            raise TypeError(f"{cls.__name__}: unknown setting {', '.join(hints)} in "
+                            f"actor.policy_loss. BandPO settings: {band}; other keys must be fields "
+                            f"of verl's PolicyLossConfig")
+        return super().__new__(cls)
+
+    def __post_init__(self):
+        parent_post_init = getattr(super(), "__post_init__", None)
+        if parent_post_init is not None:
+            parent_post_init()
+        _validate_band_settings(self)
+        if self.loss_mode != LOSS_NAME:
+            logger.warning("policy_loss is a %s but loss_mode=%r: the band settings are unused "
+                           "(set actor_rollout_ref.actor.policy_loss.loss_mode=%s)",
+                           type(self).__name__, self.loss_mode, LOSS_NAME)
+
+
+def _validate_band_settings(cfg) -> None:
+    name = "actor.policy_loss"
+    delta = cfg.band_delta
+    if not (_is_number(delta) and 0 < delta < math.inf):
+        raise ValueError(f"{name}.band_delta must be a positive number, got {delta!r}")
+    divergence = cfg.band_divergence
+    from bandpo_lut import divergences  # the registry of the band math
+
+    if not isinstance(divergence, str) or divergence not in divergences.names():
+        raise ValueError(f"{name}.band_divergence must be one of {divergences.names()}, "
+                         f"got {divergence!r}")
+    if cfg.band_max_ratio is not None and not (_is_number(cfg.band_max_ratio)
+                                               and cfg.band_max_ratio >= 1):
+        raise ValueError(f"{name}.band_max_ratio must be null or a number >= 1, "
+                         f"got {cfg.band_max_ratio!r}")
+    if cfg.band_dual_clip is not None and not (_is_number(cfg.band_dual_clip)
+                                               and cfg.band_dual_clip > 1):
+        raise ValueError(f"{name}.band_dual_clip must be null or a number > 1, "
+                         f"got {cfg.band_dual_clip!r}")
+    if cfg.band_clip not in _CLIPS:
+        raise ValueError(f"{name}.band_clip must be one of {_CLIPS}, got {cfg.band_clip!r}")
+    if cfg.band_mode not in _MODES:
+        raise ValueError(f"{name}.band_mode must be one of {_MODES}, got {cfg.band_mode!r}")
+    if not isinstance(cfg.band_log_counts, bool):
+        raise ValueError(f"{name}.band_log_counts must be true or false, got {cfg.band_log_counts!r}")
+
+
+_DEFAULTS = {f.name: f.default for f in fields(BandPolicyLossConfig) if f.name.startswith("band_")}
+_warned_plain_config = False
+
+
+def _band_settings(policy_loss_cfg) -> dict:
+    """The band settings of an actor's policy_loss section (a BandPolicyLossConfig, or a plain
+    PolicyLossConfig / DictConfig, which gets the defaults)."""
+    global _warned_plain_config
+    if policy_loss_cfg is not None and all(hasattr(policy_loss_cfg, k) for k in _DEFAULTS):
+        return {k: getattr(policy_loss_cfg, k) for k in _DEFAULTS}
+    out = dict(_DEFAULTS)
+    if policy_loss_cfg is not None:
+        getter = policy_loss_cfg.get if hasattr(policy_loss_cfg, "get") else (
+            lambda k, d=None: getattr(policy_loss_cfg, k, d))
+        for k in _DEFAULTS:
+            v = getter(k, None)
+            if v is not None:
+                out[k] = v
+    if not _warned_plain_config:
+        _warned_plain_config = True
+        logger.warning("loss_mode=bandpo without BandPolicyLossConfig: using the default band "
+                       "settings where none are given (%s). Set actor_rollout_ref.actor.policy_loss."
+                       "_target_=bandpo_lut.integrations.verl.BandPolicyLossConfig to set them.",
+                       out)
+    _validate_band_settings(SimpleNamespace(**out))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the loss
+
+
+def _cfg_get(config, key, default=None):
+    if hasattr(config, "get"):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+@core_algos.register_policy_loss(LOSS_NAME)
+def compute_policy_loss_bandpo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """BandPO's policy loss for verl (registered as ``"bandpo"``); see the module docstring.
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: (batch, response_length) tensors.
+        loss_agg_mode: verl's ``actor.loss_agg_mode``.
+        config: the actor config (``ActorConfig``); its ``policy_loss`` carries the band settings,
+            its ``global_batch_info`` the global normalisation, its ``clip_ratio_low/high`` the ε of
+            the "fixed"/"dcpo" baselines.
+        rollout_is_weights: optional (batch, response_length) non-negative per-token weights.
+
+    Returns:
+        (loss, metrics): the 0-dim loss, aggregated as verl's ``agg_loss`` would, and a dict of
+        detached 0-dim metric tensors (see the module docstring for the names).
+    """
+    if config is None:
+        raise ValueError("compute_policy_loss_bandpo: config (the actor config) is required")
+    s = _band_settings(_cfg_get(config, "policy_loss"))
+
+    kwargs = dict(max_ratio=s["band_max_ratio"], dual_clip=s["band_dual_clip"],
+                  clip=s["band_clip"], mode=s["band_mode"])
+    if s["band_clip"] == "band":
+        kwargs.update(delta=s["band_delta"], divergence=s["band_divergence"])
+    else:
+        eps = _cfg_get(config, "clip_ratio", 0.2)
+        low, high = _cfg_get(config, "clip_ratio_low", None), _cfg_get(config, "clip_ratio_high", None)
+        kwargs.update(eps_low=eps if low is None else low, eps_high=eps if high is None else high)
+
+    if rollout_is_weights is not None:
+        # Exact for w >= 0: the clip decisions depend only on the sign of A (module docstring).
+        advantages = advantages * rollout_is_weights.detach()
+
+    gbi = _cfg_get(config, "global_batch_info", None) or {}
+    dp_size = gbi.get("dp_size", 1) or 1
+    batch_num_tokens = gbi.get("batch_num_tokens", None)
+    global_batch_size = gbi.get("global_batch_size", None)
+    loss_scale_factor = gbi.get("loss_scale_factor", None)
+
+    def call(agg):
+        return bandpo_lut.policy_loss(log_prob, old_log_prob, advantages, response_mask, agg=agg,
+                                      **kwargs)
+
+    # Same normalisation as verl.trainer.ppo.core_algos.agg_loss, on our sums/means.
+    if loss_agg_mode == "token-mean":
+        if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
+            loss, metrics = call("token-mean")
+        else:
+            loss, metrics = call("token-sum")
+            loss = loss / batch_num_tokens * dp_size
+    elif loss_agg_mode == "token-sum":
+        loss, metrics = call("token-sum")
+        loss = loss * dp_size
+    elif loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        if global_batch_size is None:
+            if dp_size > 1:
+                raise ValueError("global_batch_size is required when dp_size > 1")
+            loss, metrics = call("seq-mean-token-sum")
+        else:
+            # the sum over sequences of their token sums is the token sum
+            loss, metrics = call("token-sum")
+            loss = loss / global_batch_size * dp_size
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            loss = loss / (response_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    elif loss_agg_mode == "seq-mean-token-mean":
+        loss, metrics = call("seq-mean-token-mean")
+        if global_batch_size is not None:
+            # ours is the mean over the local non-empty sequences; verl's divides their sum by the
+            # global batch size (a tensor product, no host synchronisation)
+            n_seq = (response_mask.to(loss.dtype).sum(dim=-1) > 0).to(loss.dtype).sum()
+            loss = loss * n_seq / global_batch_size * dp_size
+    else:
+        raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
+
+    return loss, _verl_metrics(metrics, s["band_log_counts"])
+
+
+def _verl_metrics(metrics: dict, log_counts: bool) -> dict[str, torch.Tensor]:
+    out = {
+        # verl's own names, so its dashboards keep working (pg_clipfrac_lower = dual clip in verl)
+        "actor/pg_clipfrac": metrics["clip_frac"].detach(),
+        "actor/ppo_kl": metrics["ppo_kl"].detach(),
+        "actor/pg_clipfrac_lower": metrics["dual_clip_frac"].detach(),
+    }
+    for name, value in metrics.items():
+        if name.startswith("n_") or name.endswith("_sum"):
+            if not log_counts:
+                continue
+        out[f"actor/bandpo/{name}"] = value.detach()
+    return out
+
