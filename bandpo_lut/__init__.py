@@ -8,6 +8,7 @@ Importing the package compiles and loads nothing: the compiled extension is load
 __version__ = "0.1.0"
 
 from .api import bounds, clip  # noqa: E402
+from .loss import COUNTS, FRACTIONS, BandPolicyLoss, metrics_from_counts, policy_loss  # noqa: E402
 from .divergences import names as divergence_names  # noqa: E402
 
 
@@ -29,4 +30,5 @@ def build_info() -> dict:
     return info
 
 
-__all__ = ["bounds", "clip", "build_info", "divergence_names", "__version__"]
+__all__ = ["bounds", "clip", "policy_loss", "BandPolicyLoss", "metrics_from_counts", "COUNTS", "FRACTIONS",
+           "build_info", "divergence_names", "__version__"]

@@ -56,3 +56,41 @@ def _bounds_backward(ctx, grad_lo, grad_up):
 
 
 torch.library.register_autograd("bandpo_lut::bounds", _bounds_backward, setup_context=_bounds_setup_context)
+
+
+# ---- the fused policy loss ------------------------------------------------------------------------------
+
+@torch.library.register_fake("bandpo_lut::policy_loss_fwd")
+def _loss_fwd_fake(log_prob, old_log_prob, advantages, mask, delta, delta_scalar, table, grid, divergence,
+                   clip_kind, eps_low, eps_high, max_ratio, dual_clip, mode):
+    batch = log_prob.shape[0]
+    f64 = dict(dtype=torch.float64, device=log_prob.device)
+    return log_prob.new_empty(batch, **f64), log_prob.new_empty(batch, **f64), log_prob.new_empty(20, **f64)
+
+
+@torch.library.register_fake("bandpo_lut::policy_loss_bwd")
+def _loss_bwd_fake(grad_row, log_prob, *args):
+    return torch.empty_like(log_prob)
+
+
+def _loss_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*(t for t in inputs[:5] if t is not None))
+    ctx.has_mask, ctx.has_delta = inputs[3] is not None, inputs[4] is not None
+    ctx.params = inputs[5:]
+    row_w, counts = output[1], output[2]
+    ctx.mark_non_differentiable(row_w, counts)
+
+
+def _loss_backward(ctx, grad_row, grad_w, grad_counts):
+    saved = list(ctx.saved_tensors)
+    lp, olp, adv = saved[:3]
+    rest = saved[3:]
+    mask = rest.pop(0) if ctx.has_mask else None
+    delta = rest.pop(0) if ctx.has_delta else None
+    grad = None
+    if ctx.needs_input_grad[0]:
+        grad = ops.policy_loss_bwd(grad_row, lp, olp, adv, mask, delta, *ctx.params)
+    return (grad,) + (None,) * 14
+
+
+torch.library.register_autograd("bandpo_lut::policy_loss_fwd", _loss_backward, setup_context=_loss_setup_context)

@@ -16,6 +16,16 @@ TORCH_LIBRARY(bandpo_lut, m) {
         "bool log_input, float max_ratio) -> (Tensor, Tensor)");
   m.def("clip(Tensor ratio, Tensor prob, Tensor? delta, float delta_scalar, Tensor table, float[] grid, "
         "int divergence, bool log_input, float max_ratio) -> Tensor");
+  // The fused policy loss (bandpo_lut/loss.py): per-row sums of w·loss and of w, and the 20 metric counts
+  // (float64), from which Python forms any aggregation; the backward recomputes the per-token gradient
+  // from the inputs and the gradient of the row sums. clip_kind: 0 band, 1 fixed, 2 dcpo; mode: 0 clip,
+  // 1 mask; dual_clip: c > 1, or 0 for none; mask: uint8 (bool) or log_prob's dtype.
+  m.def("policy_loss_fwd(Tensor log_prob, Tensor old_log_prob, Tensor advantages, Tensor? mask, Tensor? delta, "
+        "float delta_scalar, Tensor table, float[] grid, int divergence, int clip_kind, float eps_low, "
+        "float eps_high, float max_ratio, float dual_clip, int mode) -> (Tensor, Tensor, Tensor)");
+  m.def("policy_loss_bwd(Tensor grad_row, Tensor log_prob, Tensor old_log_prob, Tensor advantages, Tensor? mask, "
+        "Tensor? delta, float delta_scalar, Tensor table, float[] grid, int divergence, int clip_kind, "
+        "float eps_low, float eps_high, float max_ratio, float dual_clip, int mode) -> Tensor");
   // torch.clamp's gradient: grad where lower <= ratio <= upper, i.e. where the clipped value is the ratio.
   m.def("clip_backward(Tensor grad, Tensor ratio, Tensor clipped) -> Tensor");
 }

@@ -19,6 +19,7 @@
 
 #include "band_element.h"
 #include "band_host.h"
+#include "cpu/band_cpu.h"
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define BANDPO_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -27,14 +28,8 @@
 #endif
 
 namespace bandpo {
-namespace {
 
 // ---- scalar-δ cell cubics, computed once per (table, δ) and cached -------------------------------------
-struct CellPolys {
-  std::vector<float> f;
-  std::vector<double> d;
-};
-
 std::shared_ptr<const CellPolys> cell_polys(const BandParams& P) {
   static std::mutex mu;
   static std::unordered_map<std::string, std::shared_ptr<const CellPolys>> cache;
@@ -64,19 +59,7 @@ std::shared_ptr<const CellPolys> cell_polys(const BandParams& P) {
 //   2. cell lookup and the cubics                     (scalar: the gathers)
 //   3. tails, the exp of the lower bound, cap, clamp  (vector)
 // Closed forms need no table and run in one double-precision vector pass.
-constexpr int kBlock = 256;
-
-struct FastRun {
-  const BandParams* P;
-  const DeltaConsts<float>* c;
-  const float* x;       // p or log p
-  const float* delta;   // per-token δ, or null
-  const float* ratio;   // clip only
-  float* lo;            // bounds only
-  float* up;
-  float* out;           // clip only
-  int64_t n;
-};
+namespace {
 
 template <bool CLIP>
 __attribute__((always_inline)) inline void store(const FastRun& a, int64_t i, float l, float u, float cap) {
@@ -166,6 +149,8 @@ __attribute__((always_inline)) inline void f32_run_div(const FastRun& a) {
   }
 }
 
+}  // namespace
+
 // One multi-versioned entry point; the flags pick a fully specialised, inlined loop.
 BANDPO_CPU_CLONES void f32_contiguous(const FastRun& a, bool log_input, bool clip, bool token) {
   const int combo = (log_input ? 4 : 0) | (clip ? 2 : 0) | (token ? 1 : 0);
@@ -180,6 +165,8 @@ BANDPO_CPU_CLONES void f32_contiguous(const FastRun& a, bool log_input, bool cli
     default: f32_run_div<true, true, true>(a); break;
   }
 }
+
+namespace {
 
 // ---- generic strided loops -----------------------------------------------------------------------------
 // Operand order in the iterator: outputs first, then [ratio,] prob[, delta].

@@ -1,0 +1,114 @@
+"""The fused BandPO policy loss: `policy_loss(...) -> (loss, metrics)` and the `BandPolicyLoss` module.
+
+Semantics, metrics and counts are exactly those of `bandpo_lut.reference.policy_loss` (its module
+docstring is the specification: per-token surrogate, dual clip, the "fixed", "dcpo" and "band" clips, the
+"clip" and "mask" modes, the four aggregations and the metric names). Here one compiled kernel computes,
+per token, the ratio, the bounds, the surrogate and the metric partial sums, returning only per-row sums
+and 20 counts; the backward kernel recomputes what it needs from the inputs, so the loss saves nothing of
+the input's size. No host synchronisation: works under torch.compile(fullgraph=True).
+
+Counts for exact global metrics: `metrics` holds every count of `COUNTS` next to the fractions. Sum the
+counts over micro-batches and data-parallel ranks (e.g. all-reduce), then call
+`bandpo_lut.metrics_from_counts(summed)` for the exact global fractions.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import api as _api
+from . import divergences as _div
+from .reference import policy_loss as _spec
+
+COUNTS = _spec.COUNTS
+FRACTIONS = _spec.FRACTIONS
+metrics_from_counts = _spec.metrics_from_counts
+_CLIP_KIND = {"band": 0, "fixed": 1, "dcpo": 2}
+_MODE = {"clip": 0, "mask": 1}
+
+
+def _safe_div(num, den):
+    nonzero = den != 0
+    return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def _aggregate(row_sum, row_w, agg):
+    if agg == "token-mean":
+        return _safe_div(row_sum.sum(), row_w.sum())
+    if agg == "token-sum":
+        return row_sum.sum()
+    row_loss = _safe_div(row_sum, row_w) if agg == "seq-mean-token-mean" else row_sum
+    return _safe_div(row_loss.sum(), (row_w > 0).to(row_sum.dtype).sum())
+
+
+def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, divergence="kl", max_ratio=None,
+                dual_clip=None, agg="token-mean", clip="band", mode="clip", eps_low=None, eps_high=None):
+    """PPO-family policy loss with BandPO's band (default) or a baseline clip, fused.
+
+    Args:
+        log_prob, old_log_prob, advantages: (batch, T) floating tensors on one device; the gradient flows
+            to `log_prob` only.
+        mask: optional (batch, T) bool, integer or floating mask (values act as per-token weights).
+        delta, divergence: the band's radius (a number in the table's range, or a tensor broadcastable to
+            (batch, T)) and divergence ("kl", "tv", "chi2", "hellinger").
+        max_ratio: cap of the upper bound (the paper used 10). dual_clip: c > 1 caps the loss of A < 0
+            tokens at -A·c.
+        agg: "token-mean", "token-sum", "seq-mean-token-mean" or "seq-mean-token-sum".
+        clip: "band", "fixed" (eps_low/eps_high, default 0.2/0.2; DAPO's clip-higher is 0.2/0.28) or
+            "dcpo" (default eps 0.16/0.2). mode: "clip", or "mask" (out-of-band tokens keep their
+            surrogate's value but lose the gradient in the unsafe direction).
+    Returns:
+        (loss, metrics): a 0-dim loss, and a dict of 0-dim tensors: the fractions of FRACTIONS (clip_frac,
+        clip_frac_upper, clip_frac_lower, dual_clip_frac, clip_frac_upper_lowprob, ppo_kl, band_width_mean,
+        clip_frac_pXX_YY) and the raw counts of COUNTS.
+    """
+    eps_low, eps_high = _spec._check_args(log_prob, old_log_prob, advantages, mask, delta, divergence, max_ratio,
+                                          dual_clip, agg, clip, mode, eps_low, eps_high)
+    dtype = torch.promote_types(torch.promote_types(log_prob.dtype, old_log_prob.dtype), advantages.dtype)
+    dtype = torch.promote_types(dtype, torch.float32) if dtype in (torch.float16, torch.bfloat16) else dtype
+    lp = log_prob.to(dtype)
+    olp = old_log_prob.detach().to(dtype)
+    adv = advantages.detach().to(dtype)
+    if mask is not None:
+        mask = mask.detach()
+        mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(dtype)
+    div_name = divergence if clip == "band" else "kl"   # the other clips ignore the table
+    div = _div.get(div_name)
+    if div.compiled_id is None:
+        raise ValueError(f"policy_loss: divergence {divergence!r} has no compiled kernel")
+    prepared = _api._prepare(div.name, lp.device)
+    delta_t, delta_s = None, 0.05
+    if clip == "band":
+        if isinstance(delta, torch.Tensor):
+            delta_t = delta.detach().to(dtype).expand(lp.shape)
+        else:
+            prepared.table.check_delta(float(delta))
+            delta_s = float(delta)
+    coefficients = _api._coefficients(div.name, lp.device)
+    row_sum, row_w, counts = _api._ops().policy_loss_fwd(
+        lp, olp, adv, mask, delta_t, delta_s, coefficients, prepared.grid, div.compiled_id, _CLIP_KIND[clip],
+        float(eps_low or 0.0), float(eps_high or 0.0), math.inf if max_ratio is None else float(max_ratio),
+        0.0 if dual_clip is None else float(dual_clip), _MODE[mode])
+    loss = _aggregate(row_sum.to(dtype), row_w.to(dtype), agg)
+    counts = counts.to(dtype)
+    return loss, metrics_from_counts({name: counts[i] for i, name in enumerate(COUNTS)})
+
+
+class BandPolicyLoss(torch.nn.Module):
+    """`policy_loss` with its settings held by a module: `loss, metrics = BandPolicyLoss(...)(lp, olp, adv, mask)`."""
+
+    def __init__(self, *, delta=0.05, divergence="kl", max_ratio=None, dual_clip=None, agg="token-mean",
+                 clip="band", mode="clip", eps_low=None, eps_high=None):
+        super().__init__()
+        self.settings = dict(delta=delta, divergence=divergence, max_ratio=max_ratio, dual_clip=dual_clip, agg=agg,
+                             clip=clip, mode=mode, eps_low=eps_low, eps_high=eps_high)
+        # Validate now, on a tiny input, so that a bad setting fails at construction, not mid-training.
+        z = torch.zeros(1, 1)
+        _spec._check_args(z, z, z, None, delta, divergence, max_ratio, dual_clip, agg, clip, mode, eps_low, eps_high)
+
+    def forward(self, log_prob, old_log_prob, advantages, mask=None):
+        return policy_loss(log_prob, old_log_prob, advantages, mask, **self.settings)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.settings.items() if v is not None)

@@ -1,0 +1,38 @@
+// Pieces of the CPU band implementation shared with the fused loss (csrc/cpu/loss_cpu.cpp).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "bandpo_math.h"
+
+namespace bandpo {
+
+// Scalar-δ KL cell cubics (see collapse_cell), computed once per (table, δ) and cached.
+struct CellPolys {
+  std::vector<float> f;
+  std::vector<double> d;
+};
+std::shared_ptr<const CellPolys> cell_polys(const BandParams& P);
+
+// A contiguous float32 run for the vectorised loops: bounds (lo/up) or clip (out) of n elements.
+struct FastRun {
+  const BandParams* P;
+  const DeltaConsts<float>* c;
+  const float* x;       // p or log p
+  const float* delta;   // per-token δ, or null
+  const float* ratio;   // clip only
+  float* lo;            // bounds only
+  float* up;
+  float* out;           // clip only
+  int64_t n;
+};
+
+// Blocks of kBlock elements; the vectorised passes keep their temporaries on the stack.
+constexpr int kBlock = 256;
+
+// Any divergence, either δ mode, from p or log p; multi-versioned (AVX2+FMA / baseline).
+void f32_contiguous(const FastRun& a, bool log_input, bool clip, bool token);
+
+}  // namespace bandpo

@@ -1,0 +1,194 @@
+// CPU implementation of the fused policy loss: bandpo_lut::policy_loss_fwd / policy_loss_bwd.
+//
+// Rows are split across threads (at::parallel_for). Within a row, blocks of kBlock tokens first get their
+// bounds from the vectorised band loop (float32 band) or the per-element code, then one pass computes
+// ratio, surrogate and the counts. The forward returns per-row sums and the 20 counts in float64; the
+// backward recomputes everything it needs from the inputs, so nothing of the input's size is saved.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <mutex>
+
+#include "band_host.h"
+#include "cpu/band_cpu.h"
+#include "loss_host.h"
+
+namespace bandpo {
+namespace {
+
+template <typename scalar_t>
+struct RowInputs {
+  const scalar_t* lp;
+  const scalar_t* olp;
+  const scalar_t* adv;
+  const scalar_t* delta;      // per-token δ or null
+  const uint8_t* mask_bytes;  // bool mask or null
+  const scalar_t* mask_f;     // floating mask or null
+};
+
+template <typename scalar_t, typename acc_t>
+inline acc_t weight(const RowInputs<scalar_t>& in, int64_t i) {
+  if (in.mask_bytes) return in.mask_bytes[i] ? acc_t(1) : acc_t(0);
+  if (in.mask_f) return static_cast<acc_t>(in.mask_f[i]);
+  return acc_t(1);
+}
+
+// Bounds of tokens [i0, i0 + m) of a row into lo/up (acc_t buffers).
+template <typename scalar_t, typename acc_t>
+void block_bounds(const LossParams& L, const DeltaConsts<acc_t>& c, const RowInputs<scalar_t>& in, int64_t i0,
+                  int m, acc_t* lo, acc_t* up) {
+  if constexpr (std::is_same<scalar_t, float>::value) {
+    if (L.clip_kind == kClipBand) {
+      const DeltaConsts<float> cf = c;
+      FastRun a{&L.band, &cf, in.olp + i0, in.delta ? in.delta + i0 : nullptr, nullptr, lo, up, nullptr, m};
+      f32_contiguous(a, /*log_input=*/true, /*clip=*/false, L.per_token_delta);
+      return;
+    }
+  }
+  for (int i = 0; i < m; ++i) {
+    const acc_t olp = static_cast<acc_t>(in.olp[i0 + i]);
+    const acc_t d = in.delta ? static_cast<acc_t>(in.delta[i0 + i]) : c.delta;
+    const acc_t p = exp_any(olp);
+    if (L.per_token_delta) {
+      clip_bounds<acc_t, true>(L, c, olp, p, d, lo[i], up[i]);
+    } else {
+      clip_bounds<acc_t, false>(L, c, olp, p, d, lo[i], up[i]);
+    }
+  }
+}
+
+template <typename scalar_t>
+RowInputs<scalar_t> row_inputs(const LossTensors& T, int64_t b) {
+  const int64_t n = T.lp.size(1);
+  RowInputs<scalar_t> in{};
+  in.lp = T.lp.data_ptr<scalar_t>() + b * n;
+  in.olp = T.olp.data_ptr<scalar_t>() + b * n;
+  in.adv = T.adv.data_ptr<scalar_t>() + b * n;
+  in.delta = T.delta.defined() ? T.delta.data_ptr<scalar_t>() + b * n : nullptr;
+  if (T.mask.defined()) {
+    if (T.mask.scalar_type() == at::kByte) {
+      in.mask_bytes = T.mask.data_ptr<uint8_t>() + b * n;
+    } else {
+      in.mask_f = T.mask.data_ptr<scalar_t>() + b * n;
+    }
+  }
+  return in;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cpu(
+    const at::Tensor& lp, const at::Tensor& olp, const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
+    const c10::optional<at::Tensor>& delta, double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid,
+    int64_t divergence, int64_t clip_kind, double eps_low, double eps_high, double max_ratio, double dual_clip,
+    int64_t mode) {
+  const LossTensors T = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta);
+  std::shared_ptr<const CellPolys> keep;
+  LossParams L = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio, dual_clip, mode,
+                                  delta_scalar, T);
+  if (L.clip_kind == kClipBand && L.band.divergence == kKL && !L.per_token_delta) {
+    keep = cell_polys(L.band);
+    L.band.cell_f = keep->f.data();
+    L.band.cell_d = keep->d.data();
+  }
+  const int64_t B = lp.size(0), n = lp.size(1);
+  auto f64 = lp.options().dtype(at::kDouble);
+  at::Tensor row_sum = at::zeros({B}, f64), row_w = at::zeros({B}, f64), counts = at::zeros({kNumCounts}, f64);
+  double* S = row_sum.data_ptr<double>();
+  double* W = row_w.data_ptr<double>();
+  double* C = counts.data_ptr<double>();
+  std::mutex mu;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lp.scalar_type(), "bandpo_lut::policy_loss_fwd", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(delta_scalar));
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      double local[kNumCounts] = {0};
+      acc_t lo[kBlock], up[kBlock];
+      for (int64_t b = b0; b < b1; ++b) {
+        const RowInputs<scalar_t> in = row_inputs<scalar_t>(T, b);
+        double s = 0, w_sum = 0;
+        for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+          const int m = static_cast<int>(n - i0 < kBlock ? n - i0 : kBlock);
+          block_bounds<scalar_t, acc_t>(L, c, in, i0, m, lo, up);
+          for (int i = 0; i < m; ++i) {
+            const acc_t w = weight<scalar_t, acc_t>(in, i0 + i);
+            if (w == acc_t(0)) continue;   // ignored tokens contribute nothing, whatever their inputs
+            const acc_t olp_i = static_cast<acc_t>(in.olp[i0 + i]);
+            TokenTerms<acc_t> o;
+            token_terms<acc_t>(L, static_cast<acc_t>(in.lp[i0 + i]), olp_i, static_cast<acc_t>(in.adv[i0 + i]), w,
+                               exp_any(olp_i), lo[i], up[i], o);
+            s += static_cast<double>(o.value);
+            w_sum += static_cast<double>(w);
+            add_counts<acc_t, double>(o, w, local);
+          }
+        }
+        S[b] = s;
+        W[b] = w_sum;
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      for (int k = 0; k < kNumCounts; ++k) C[k] += local[k];
+    });
+  });
+  return {row_sum, row_w, counts};
+}
+
+at::Tensor loss_bwd_cpu(const at::Tensor& grad_row, const at::Tensor& lp, const at::Tensor& olp, const at::Tensor& adv,
+                        const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& delta,
+                        double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
+                        int64_t clip_kind, double eps_low, double eps_high, double max_ratio, double dual_clip,
+                        int64_t mode) {
+  const LossTensors T = check_loss_inputs("policy_loss_bwd", lp, olp, adv, mask, delta);
+  TORCH_CHECK(grad_row.dim() == 1 && grad_row.size(0) == lp.size(0) && grad_row.device() == lp.device(),
+              "policy_loss_bwd: grad_row must be a (batch,) tensor on log_prob's device");
+  const at::Tensor g = grad_row.to(at::kDouble).contiguous();
+  std::shared_ptr<const CellPolys> keep;
+  LossParams L = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio, dual_clip, mode,
+                                  delta_scalar, T);
+  if (L.clip_kind == kClipBand && L.band.divergence == kKL && !L.per_token_delta) {
+    keep = cell_polys(L.band);
+    L.band.cell_f = keep->f.data();
+    L.band.cell_d = keep->d.data();
+  }
+  const int64_t B = lp.size(0), n = lp.size(1);
+  at::Tensor grad = at::empty_like(lp);
+  const double* G = g.data_ptr<double>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lp.scalar_type(), "bandpo_lut::policy_loss_bwd", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(delta_scalar));
+    scalar_t* out = grad.data_ptr<scalar_t>();
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      acc_t lo[kBlock], up[kBlock];
+      for (int64_t b = b0; b < b1; ++b) {
+        const RowInputs<scalar_t> in = row_inputs<scalar_t>(T, b);
+        const acc_t gb = static_cast<acc_t>(G[b]);
+        scalar_t* o_row = out + b * n;
+        for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+          const int m = static_cast<int>(n - i0 < kBlock ? n - i0 : kBlock);
+          block_bounds<scalar_t, acc_t>(L, c, in, i0, m, lo, up);
+          for (int i = 0; i < m; ++i) {
+            const acc_t w = weight<scalar_t, acc_t>(in, i0 + i);
+            acc_t gi = acc_t(0);
+            if (w != acc_t(0)) {
+              const acc_t olp_i = static_cast<acc_t>(in.olp[i0 + i]);
+              TokenTerms<acc_t> o;
+              token_terms<acc_t>(L, static_cast<acc_t>(in.lp[i0 + i]), olp_i, static_cast<acc_t>(in.adv[i0 + i]),
+                                 w, exp_any(olp_i), lo[i], up[i], o);
+              gi = gb * o.grad;
+            }
+            o_row[i0 + i] = static_cast<scalar_t>(gi);
+          }
+        }
+      }
+    });
+  });
+  return grad;
+}
+
+}  // namespace
+}  // namespace bandpo
+
+TORCH_LIBRARY_IMPL(bandpo_lut, CPU, m) {
+  m.impl("policy_loss_fwd", &bandpo::loss_fwd_cpu);
+  m.impl("policy_loss_bwd", &bandpo::loss_bwd_cpu);
+}

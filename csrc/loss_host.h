@@ -1,0 +1,64 @@
+// Host-side glue of the fused loss shared by the CPU and CUDA implementations.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+
+#include "band_host.h"
+#include "loss_element.h"
+
+namespace bandpo {
+
+struct LossTensors {
+  at::Tensor lp, olp, adv, mask, delta;  // mask and delta may be undefined
+};
+
+inline LossTensors check_loss_inputs(const char* op, const at::Tensor& lp, const at::Tensor& olp, const at::Tensor& adv,
+                                     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& delta) {
+  TORCH_CHECK(lp.dim() == 2, op, ": log_prob must have shape (batch, T), got ", lp.sizes());
+  TORCH_CHECK(is_supported_float(lp.scalar_type()), op, ": log_prob must be floating, got ", lp.scalar_type());
+  for (const auto* t : {&olp, &adv}) {
+    TORCH_CHECK(t->sizes() == lp.sizes() && t->scalar_type() == lp.scalar_type() && t->device() == lp.device(),
+                op, ": old_log_prob and advantages must match log_prob's shape, dtype and device");
+  }
+  LossTensors T{lp.contiguous(), olp.contiguous(), adv.contiguous(), at::Tensor(), at::Tensor()};
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->sizes() == lp.sizes() && mask->device() == lp.device(), op,
+                ": mask must match log_prob's shape and device");
+    TORCH_CHECK(mask->scalar_type() == at::kByte || mask->scalar_type() == lp.scalar_type(), op,
+                ": mask must be uint8 (a bool mask's bytes) or log_prob's dtype, got ", mask->scalar_type());
+    T.mask = mask->contiguous();
+  }
+  if (delta.has_value()) {
+    TORCH_CHECK(delta->sizes() == lp.sizes() && delta->scalar_type() == lp.scalar_type() &&
+                    delta->device() == lp.device(),
+                op, ": a delta tensor must match log_prob's shape, dtype and device");
+    T.delta = delta->contiguous();
+  }
+  return T;
+}
+
+inline LossParams make_loss_params(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
+                                   int64_t clip_kind, double eps_low, double eps_high, double max_ratio,
+                                   double dual_clip, int64_t mode, double delta_scalar, const LossTensors& T) {
+  TORCH_CHECK(clip_kind >= kClipBand && clip_kind <= kClipDcpo, "policy_loss: unknown clip kind ", clip_kind);
+  TORCH_CHECK(mode == kModeClip || mode == kModeMask, "policy_loss: unknown mode ", mode);
+  TORCH_CHECK(dual_clip == 0.0 || dual_clip > 1.0, "policy_loss: dual_clip must be > 1 (0 for none)");
+  check_prob_and_delta("policy_loss", T.olp, T.delta.defined() ? c10::optional<at::Tensor>(T.delta) : c10::nullopt,
+                       table, grid, divergence, max_ratio);
+  LossParams L{};
+  L.band = make_params(table, grid, divergence, /*log_input=*/true, delta_scalar, max_ratio);
+  L.clip_kind = static_cast<int>(clip_kind);
+  L.eps_low = eps_low;
+  L.eps_high = eps_high;
+  L.max_ratio = std::isnan(max_ratio) ? std::numeric_limits<double>::infinity() : max_ratio;
+  L.dual_clip = dual_clip;
+  L.mode = static_cast<int>(mode);
+  L.mask_kind = !T.mask.defined() ? kMaskNone : (T.mask.scalar_type() == at::kByte ? kMaskBytes : kMaskFloat);
+  L.per_token_delta = T.delta.defined();
+  return L;
+}
+
+}  // namespace bandpo
