@@ -152,7 +152,7 @@ TV = register(Divergence(
     description="total variation: r = 1 ± δ/p",
     f=lambda u, m: m.abs(u - 1) / 2,
     df=lambda u, m: m.where(u > 1, 0.5, -0.5),
-    continuation="f", lower_value="q", polish_lower=2,
+    continuation="f", lower_value="q", polish_upper=2, polish_lower=2,
     closed_form=lambda p, omp, d, m: (p - d, p + d),
     upper_q_at_p0=lambda d, m: d,
     lower_r_at_p1=lambda d, m: 1 - d,
@@ -163,7 +163,7 @@ CHI2 = register(Divergence(
     description="Pearson chi-squared: r = 1 ± sqrt(δ(1-p)/p)",
     f=lambda u, m: (u - 1) ** 2,
     df=lambda u, m: 2 * (u - 1),
-    continuation="f", lower_value="q", polish_lower=2,
+    continuation="f", lower_value="q", polish_upper=2, polish_lower=2,
     closed_form=_chi2_closed,
     upper_q_at_p0=None,                               # r_up ~ sqrt(δ/p): p·r_up → 0
     lower_r_at_p1=lambda d, m: 1 + 0 * d,
@@ -174,7 +174,7 @@ HELLINGER = register(Divergence(
     description="squared Hellinger (2·(1 - Bhattacharyya)); closed form via angles",
     f=lambda u, m: (m.sqrt(u) - 1) ** 2,
     df=lambda u, m: 1 - 1 / m.sqrt(u),
-    continuation="closed_form", lower_value="q", polish_lower=2,
+    continuation="closed_form", lower_value="q", polish_upper=2, polish_lower=2,
     closed_form=_hellinger_closed,
     upper_q_at_p0=lambda d, m: d * (1 - d / 4),       # sin²α
     lower_r_at_p1=lambda d, m: (1 - d / 2) ** 2,      # cos²α
