@@ -452,7 +452,7 @@ def main() -> None:
         python_requires=">=3.10",
         packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]),
         # The compiled extension only works with the torch minor release it was built against.
-        install_requires=[f"torch=={torch_mm}.*", "mpmath>=1.3", "numpy", "tqdm"],
+        install_requires=[f"torch=={torch_mm}.*", "mpmath>=1.3", "numpy", "tqdm", "matplotlib"],
         extras_require={"plot": ["matplotlib"], "test": ["pytest", "matplotlib"]},
         entry_points={"console_scripts": ["bandpo-lut = bandpo_lut.cli:main"]},
         ext_modules=[ext],
