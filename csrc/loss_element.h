@@ -71,15 +71,16 @@ BANDPO_HD void token_terms(const LossParams& L, acc_t lp, acc_t olp, acc_t adv, 
   const acc_t raw = lp - olp;
   const acc_t clampv = acc_t(kLogRatioClamp);
   const acc_t d = raw < -clampv ? -clampv : (raw > clampv ? clampv : raw);
-  const bool in_clamp = (raw >= -clampv) && (raw <= clampv);   // torch.clamp's gradient is inclusive
+  const bool in_clamp = (raw >= -clampv) & (raw <= clampv);   // torch.clamp's gradient is inclusive
   const acc_t r = exp_any(d);
   const bool pos = adv > acc_t(0), neg = adv < acc_t(0);
   o.positive = pos;
-  o.clipped_upper = pos && (r > up);
-  o.clipped_lower = neg && (r < lo);
+  // Bitwise & and | throughout: no short-circuit branches, so that the CPU loops vectorise.
+  o.clipped_upper = pos & (r > up);
+  o.clipped_lower = neg & (r < lo);
   const bool has_dual = L.dual_clip > 0.0;
   const acc_t cdual = acc_t(L.dual_clip);
-  o.dual_clipped = has_dual && neg && (r > cdual);
+  o.dual_clipped = has_dual & neg & (r > cdual);
   const acc_t surrogate = -adv * r;
   acc_t per = surrogate;
   if (L.mode == kModeClip) {
@@ -87,9 +88,9 @@ BANDPO_HD void token_terms(const LossParams& L, acc_t lp, acc_t olp, acc_t adv, 
     per = o.clipped_upper ? -adv * up : per;
     per = o.dual_clipped ? -adv * cdual : per;
   }
-  const bool no_grad = o.clipped_upper || o.clipped_lower || o.dual_clipped || !in_clamp;
+  const bool no_grad = o.clipped_upper | o.clipped_lower | o.dual_clipped | !in_clamp;
   // NaN bounds (a per-token δ outside the table's range) must not pass for "not clipped".
-  const bool nan_bounds = (lo != lo) || (up != up);
+  const bool nan_bounds = (lo != lo) | (up != up);
   per = nan_bounds ? lo + up : per;
   o.value = w * per;
   o.grad = no_grad ? acc_t(0) : w * surrogate;   // ∂(-A·e^d)/∂lp = -A·r inside the clamp
@@ -100,35 +101,41 @@ BANDPO_HD void token_terms(const LossParams& L, acc_t lp, acc_t olp, acc_t adv, 
   o.neg_d = -d;
 }
 
-// Add one token's contributions to the 20 counts (sum_t: the accumulator type).
+// One token's contribution to each of the 20 counts, c[k * stride] (branch-free: selects only).
+template <typename acc_t>
+BANDPO_HD void count_terms(const TokenTerms<acc_t>& o, acc_t w, acc_t* c, int stride) {
+  const acc_t zero = acc_t(0);
+  const bool clipped = o.clipped_upper | o.clipped_lower;
+  const bool lowprob_pos = (o.p < acc_t(kLowProb)) & o.positive;
+  const acc_t inf = acc_t(1) / acc_t(0);
+  const bool finite_up = (o.up == o.up) & (o.up < inf) & (o.up > -inf);
+  c[kNTokens * stride] = w;
+  c[kNClipped * stride] = clipped ? w : zero;
+  c[kNClippedUpper * stride] = o.clipped_upper ? w : zero;
+  c[kNClippedLower * stride] = o.clipped_lower ? w : zero;
+  c[kNDualClipped * stride] = o.dual_clipped ? w : zero;
+  c[kNLowprobPos * stride] = lowprob_pos ? w : zero;
+  c[kNClippedUpperLowprob * stride] = (lowprob_pos & o.clipped_upper) ? w : zero;
+  c[kPpoKlSum * stride] = w * o.neg_d;
+  c[kBandWidthSum * stride] = finite_up ? w * (o.up - o.lo) : zero;
+  c[kNBandFinite * stride] = finite_up ? w : zero;
+  // Buckets [0,.2), [.2,.4), [.4,.6), [.6,.8), [.8, 1]: the index counts the edges at or below p.
+  const int bucket = int(o.p >= acc_t(0.2)) + int(o.p >= acc_t(0.4)) + int(o.p >= acc_t(0.6)) + int(o.p >= acc_t(0.8));
+  const bool valid = o.p >= acc_t(0);    // false for NaN
+  BANDPO_UNROLL
+  for (int b = 0; b < 5; ++b) {
+    const bool in = valid & (bucket == b);
+    c[(kNTokensBucket0 + b) * stride] = in ? w : zero;
+    c[(kNClippedBucket0 + b) * stride] = (in & clipped) ? w : zero;
+  }
+}
+
+// Add one token's contributions to the counts (sum_t: the accumulator type).
 template <typename acc_t, typename sum_t>
 BANDPO_HD void add_counts(const TokenTerms<acc_t>& o, acc_t w, sum_t* counts) {
-  const bool clipped = o.clipped_upper || o.clipped_lower;
-  const bool lowprob_pos = (o.p < acc_t(kLowProb)) && o.positive;
-  counts[kNTokens] += w;
-  if (lowprob_pos) counts[kNLowprobPos] += w;
-  if (lowprob_pos && o.clipped_upper) counts[kNClippedUpperLowprob] += w;
-  if (clipped) counts[kNClipped] += w;
-  if (o.clipped_upper) counts[kNClippedUpper] += w;
-  if (o.clipped_lower) counts[kNClippedLower] += w;
-  if (o.dual_clipped) counts[kNDualClipped] += w;
-  counts[kPpoKlSum] += w * o.neg_d;
-  const acc_t inf = acc_t(1) / acc_t(0);
-  const bool finite_up = (o.up == o.up) && (o.up < inf) && (o.up > -inf);
-  if (finite_up) {
-    counts[kBandWidthSum] += w * (o.up - o.lo);
-    counts[kNBandFinite] += w;
-  }
-  const acc_t edges[4] = {acc_t(0.2), acc_t(0.4), acc_t(0.6), acc_t(0.8)};
-  int bucket = -1;
-  if (o.p >= acc_t(0)) {
-    bucket = 0;
-    for (int k = 0; k < 4; ++k) bucket += (o.p >= edges[k]) ? 1 : 0;
-  }
-  if (bucket >= 0) {
-    counts[kNTokensBucket0 + bucket] += w;
-    if (clipped) counts[kNClippedBucket0 + bucket] += w;
-  }
+  acc_t c[kNumCounts];
+  count_terms<acc_t>(o, w, c, 1);
+  for (int k = 0; k < kNumCounts; ++k) counts[k] += static_cast<sum_t>(c[k]);
 }
 
 }  // namespace bandpo

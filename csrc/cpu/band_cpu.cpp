@@ -21,11 +21,6 @@
 #include "band_host.h"
 #include "cpu/band_cpu.h"
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define BANDPO_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define BANDPO_CPU_CLONES
-#endif
 
 namespace bandpo {
 

@@ -7,6 +7,15 @@
 
 #include "bandpo_math.h"
 
+// Function multi-versioning: an AVX2+FMA (x86-64-v3) clone and a baseline one, picked at load time.
+// Everything a cloned function calls must be inlined into it (BANDPO_HD / always_inline).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define BANDPO_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define BANDPO_CPU_CLONES
+#endif
+#define BANDPO_INLINE __attribute__((always_inline)) inline
+
 namespace bandpo {
 
 // Scalar-δ KL cell cubics (see collapse_cell), computed once per (table, δ) and cached.

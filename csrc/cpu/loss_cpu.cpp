@@ -60,6 +60,126 @@ void block_bounds(const LossParams& L, const DeltaConsts<acc_t>& c, const RowInp
   }
 }
 
+// ---- float32 rows: branch-free blocked passes that vectorise --------------------------------------------
+constexpr int kSums = kNumCounts + 2;   // the 20 counts, then Σ w·loss and Σ w
+
+// Bounds of a block for the baselines (band bounds come from the vectorised band loop).
+template <int KIND>
+BANDPO_INLINE void baseline_bounds_f32(const LossParams& L, const float* __restrict olp, int m, float* __restrict lo,
+                                       float* __restrict up) {
+  const float cap = static_cast<float>(L.max_ratio);
+  for (int i = 0; i < m; ++i) {
+    float l, u;
+    const float p = exp_f32(olp[i]);
+    const DeltaConsts<float> unused{};
+    clip_bounds<float, false>(L, unused, olp[i], p, 0.0f, l, u);   // KIND is L.clip_kind: no band here
+    lo[i] = l;
+    up[i] = u > cap ? cap : u;
+  }
+}
+
+template <int MASK>
+BANDPO_INLINE float weight_f32(const uint8_t* mb, const float* mf, int i) {
+  if (MASK == kMaskBytes) return mb[i] ? 1.0f : 0.0f;
+  if (MASK == kMaskFloat) return mf[i];
+  return 1.0f;
+}
+
+// Per-token terms of a block: the gradient factor into grad[] and, if sums is given, every token's
+// contribution to the kSums accumulators into sums[k][i] (ignored tokens: exactly 0, whatever their inputs).
+template <int MASK, bool SUMS>
+BANDPO_INLINE void token_block_f32(const LossParams& L, const float* __restrict lp, const float* __restrict olp,
+                                   const float* __restrict adv, const uint8_t* __restrict mb,
+                                   const float* __restrict mf, const float* __restrict lo,
+                                   const float* __restrict up, int m, float* __restrict grad,
+                                   float (*__restrict sums)[kBlock]) {
+  for (int i = 0; i < m; ++i) {
+    const float w = weight_f32<MASK>(mb, mf, i);
+    const bool skip = w == 0.0f;
+    TokenTerms<float> o;
+    token_terms<float>(L, lp[i], olp[i], adv[i], w, exp_f32(olp[i]), lo[i], up[i], o);
+    grad[i] = skip ? 0.0f : o.grad;
+    if (SUMS) {
+      float c[kNumCounts];
+      count_terms<float>(o, w, c, 1);
+      BANDPO_UNROLL
+      for (int k = 0; k < kNumCounts; ++k) sums[k][i] = skip ? 0.0f : c[k];
+      sums[kNumCounts][i] = skip ? 0.0f : o.value;
+      sums[kNumCounts + 1][i] = w;
+    }
+  }
+  if (SUMS) {
+    for (int k = 0; k < kSums; ++k)
+      for (int i = m; i < kBlock; ++i) sums[k][i] = 0.0f;
+  }
+}
+
+// Eight independent lanes per accumulator: a sum the compiler vectorises without reassociating.
+BANDPO_INLINE void reduce_block(const float (*__restrict sums)[kBlock], double* __restrict totals) {
+  for (int k = 0; k < kSums; ++k) {
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int i = 0; i < kBlock; i += 8)
+      for (int j = 0; j < 8; ++j) lane[j] += sums[k][i + j];
+    double t = 0;
+    for (int j = 0; j < 8; ++j) t += lane[j];
+    totals[k] += t;
+  }
+}
+
+template <int MASK, bool FWD>
+BANDPO_INLINE void row_f32_impl(const LossParams& L, const RowInputs<float>& in, int64_t n, double* totals,
+                                float g, float* grad_row) {
+  alignas(64) float lo[kBlock], up[kBlock], grad[kBlock];
+  alignas(64) float sums[FWD ? kSums : 1][kBlock];
+  const DeltaConsts<float> c = delta_consts<float>(static_cast<float>(L.band.delta));
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const int m = static_cast<int>(n - i0 < kBlock ? n - i0 : kBlock);
+    if (L.clip_kind == kClipBand) {
+      FastRun a{&L.band, &c, in.olp + i0, in.delta ? in.delta + i0 : nullptr, nullptr, lo, up, nullptr, m};
+      f32_contiguous(a, /*log_input=*/true, /*clip=*/false, L.per_token_delta);
+    } else if (L.clip_kind == kClipFixed) {
+      baseline_bounds_f32<kClipFixed>(L, in.olp + i0, m, lo, up);
+    } else {
+      baseline_bounds_f32<kClipDcpo>(L, in.olp + i0, m, lo, up);
+    }
+    const uint8_t* mb = in.mask_bytes ? in.mask_bytes + i0 : nullptr;
+    const float* mf = in.mask_f ? in.mask_f + i0 : nullptr;
+    token_block_f32<MASK, FWD>(L, in.lp + i0, in.olp + i0, in.adv + i0, mb, mf, lo, up, m, grad, sums);
+    if (FWD) {
+      reduce_block(sums, totals);
+    } else {
+      for (int i = 0; i < m; ++i) grad_row[i0 + i] = g * grad[i];
+    }
+  }
+}
+
+// One row, forward (totals[kSums] += its sums) or backward (grad_row = g · ∂(Σ w·loss)/∂log_prob).
+BANDPO_CPU_CLONES void row_f32(const LossParams& L, const RowInputs<float>& in, int64_t n, double* totals, float g,
+                               float* grad_row, bool forward) {
+  const int mk = in.mask_bytes ? kMaskBytes : (in.mask_f ? kMaskFloat : kMaskNone);
+  if (forward) {
+    if (mk == kMaskBytes) row_f32_impl<kMaskBytes, true>(L, in, n, totals, g, grad_row);
+    else if (mk == kMaskFloat) row_f32_impl<kMaskFloat, true>(L, in, n, totals, g, grad_row);
+    else row_f32_impl<kMaskNone, true>(L, in, n, totals, g, grad_row);
+  } else {
+    if (mk == kMaskBytes) row_f32_impl<kMaskBytes, false>(L, in, n, totals, g, grad_row);
+    else if (mk == kMaskFloat) row_f32_impl<kMaskFloat, false>(L, in, n, totals, g, grad_row);
+    else row_f32_impl<kMaskNone, false>(L, in, n, totals, g, grad_row);
+  }
+}
+
+// The float32 rows take row_f32; other dtypes the generic per-element loops (returns false).
+template <typename scalar_t>
+inline bool fast_row(const LossParams&, const RowInputs<scalar_t>&, int64_t, double*, float, scalar_t*, bool) {
+  return false;
+}
+template <>
+inline bool fast_row<float>(const LossParams& L, const RowInputs<float>& in, int64_t n, double* totals, float g,
+                            float* grad_row, bool forward) {
+  row_f32(L, in, n, totals, g, grad_row, forward);
+  return true;
+}
+
 template <typename scalar_t>
 RowInputs<scalar_t> row_inputs(const LossTensors& T, int64_t b) {
   const int64_t n = T.lp.size(1);
@@ -107,6 +227,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cpu(
       acc_t lo[kBlock], up[kBlock];
       for (int64_t b = b0; b < b1; ++b) {
         const RowInputs<scalar_t> in = row_inputs<scalar_t>(T, b);
+        double totals[kSums] = {0};
+        if (fast_row<scalar_t>(L, in, n, totals, 0.0f, nullptr, /*forward=*/true)) {
+          for (int k = 0; k < kNumCounts; ++k) local[k] += totals[k];
+          S[b] = totals[kNumCounts];
+          W[b] = totals[kNumCounts + 1];
+          continue;
+        }
         double s = 0, w_sum = 0;
         for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
           const int m = static_cast<int>(n - i0 < kBlock ? n - i0 : kBlock);
@@ -163,6 +290,7 @@ at::Tensor loss_bwd_cpu(const at::Tensor& grad_row, const at::Tensor& lp, const 
         const RowInputs<scalar_t> in = row_inputs<scalar_t>(T, b);
         const acc_t gb = static_cast<acc_t>(G[b]);
         scalar_t* o_row = out + b * n;
+        if (fast_row<scalar_t>(L, in, n, nullptr, static_cast<float>(gb), o_row, /*forward=*/false)) continue;
         for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
           const int m = static_cast<int>(n - i0 < kBlock ? n - i0 : kBlock);
           block_bounds<scalar_t, acc_t>(L, c, in, i0, m, lo, up);
