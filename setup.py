@@ -396,7 +396,13 @@ def main() -> None:
     # skips its TORCH_CUDA_ARCH_LIST handling), which is why the build facts travel in a header.
     # -fno-trapping-math: lets GCC if-convert the branch-free float loops (csrc/cpu) and vectorise them;
     # it changes no result (NaN and inf semantics are kept), only assumptions about FP exception flags.
+    # -fopenmp: at::parallel_for is inlined from torch's headers into our code, and parallelises only
+    # when the extension itself is compiled with OpenMP (torch's CPU builds use the same libgomp).
     cxx_flags = ["-O3", "-fno-trapping-math"]
+    link_flags = []
+    if sys.platform.startswith("linux"):
+        cxx_flags.append("-fopenmp")
+        link_flags.append("-fopenmp")
     nvcc_flags = ["-O3", "-lineinfo"]
     if decision["with_cuda"]:
         cxx_flags.append("-DBANDPO_WITH_CUDA=1")
@@ -406,6 +412,7 @@ def main() -> None:
         sources=sources,
         include_dirs=[str(CSRC)],
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags} if decision["with_cuda"] else {"cxx": cxx_flags},
+        extra_link_args=link_flags,
     )
     ext = CUDAExtension(**ext_kwargs) if decision["with_cuda"] else CppExtension(**ext_kwargs)
     ext.include_dirs += extra_includes  # after torch's and the toolkit's own include dirs

@@ -119,7 +119,8 @@ def bounds(p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, max_ratio
 def clip(ratio, p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, max_ratio=None):
     """`torch.clamp(ratio, *bounds(p_old, delta, divergence, ...))`, fused, with torch.clamp's gradient.
 
-    The gradient to `ratio` is 1 where lower <= ratio <= upper and 0 elsewhere; none flows to p_old,
+    The gradient to `ratio` is 1 where lower <= ratio <= upper (ties included, as torch.clamp up to
+    torch 2.13; 2.14's clamp gives 0 or 1/2 at exact ties) and 0 elsewhere; none flows to p_old,
     log_p_old or delta. Arguments as in `bounds`; `ratio` is broadcast with them and all tensors are
     promoted to their common floating dtype. No host synchronisation: safe under
     torch.compile(fullgraph=True) and CUDA graphs.

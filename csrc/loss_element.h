@@ -72,7 +72,7 @@ BANDPO_HD void token_terms(const LossParams& L, acc_t lp, acc_t olp, acc_t adv, 
   const acc_t clampv = acc_t(kLogRatioClamp);
   const acc_t d = raw < -clampv ? -clampv : (raw > clampv ? clampv : raw);
   const bool in_clamp = (raw >= -clampv) & (raw <= clampv);   // torch.clamp's gradient is inclusive
-  const acc_t r = exp_any(d);
+  const acc_t r = exp_normal_any(d);   // |d| <= 20: never subnormal
   const bool pos = adv > acc_t(0), neg = adv < acc_t(0);
   o.positive = pos;
   // Bitwise & and | throughout: no short-circuit branches, so that the CPU loops vectorise.
@@ -83,11 +83,10 @@ BANDPO_HD void token_terms(const LossParams& L, acc_t lp, acc_t olp, acc_t adv, 
   o.dual_clipped = has_dual & neg & (r > cdual);
   const acc_t surrogate = -adv * r;
   acc_t per = surrogate;
-  if (L.mode == kModeClip) {
-    per = o.clipped_lower ? -adv * lo : per;
-    per = o.clipped_upper ? -adv * up : per;
-    per = o.dual_clipped ? -adv * cdual : per;
-  }
+  const bool clip_mode = L.mode == kModeClip;   // selects, not an if-block: the CPU loops vectorise
+  per = (clip_mode & o.clipped_lower) ? -adv * lo : per;
+  per = (clip_mode & o.clipped_upper) ? -adv * up : per;
+  per = (clip_mode & o.dual_clipped) ? -adv * cdual : per;
   const bool no_grad = o.clipped_upper | o.clipped_lower | o.dual_clipped | !in_clamp;
   // NaN bounds (a per-token δ outside the table's range) must not pass for "not clipped".
   const bool nan_bounds = (lo != lo) | (up != up);
@@ -116,18 +115,24 @@ BANDPO_HD void count_terms(const TokenTerms<acc_t>& o, acc_t w, acc_t* c, int st
   c[kNDualClipped * stride] = o.dual_clipped ? w : zero;
   c[kNLowprobPos * stride] = lowprob_pos ? w : zero;
   c[kNClippedUpperLowprob * stride] = (lowprob_pos & o.clipped_upper) ? w : zero;
-  c[kPpoKlSum * stride] = w * o.neg_d;
+  c[kPpoKlSum * stride] = (w != zero) ? w * o.neg_d : zero;   // w == 0: exactly 0 even for NaN inputs
   c[kBandWidthSum * stride] = finite_up ? w * (o.up - o.lo) : zero;
   c[kNBandFinite * stride] = finite_up ? w : zero;
-  // Buckets [0,.2), [.2,.4), [.4,.6), [.6,.8), [.8, 1]: the index counts the edges at or below p.
-  const int bucket = int(o.p >= acc_t(0.2)) + int(o.p >= acc_t(0.4)) + int(o.p >= acc_t(0.6)) + int(o.p >= acc_t(0.8));
-  const bool valid = o.p >= acc_t(0);    // false for NaN
-  BANDPO_UNROLL
-  for (int b = 0; b < 5; ++b) {
-    const bool in = valid & (bucket == b);
-    c[(kNTokensBucket0 + b) * stride] = in ? w : zero;
-    c[(kNClippedBucket0 + b) * stride] = (in & clipped) ? w : zero;
-  }
+  // Buckets [0,.2), [.2,.4), [.4,.6), [.6,.8), [.8, 1], written out (no inner loop: the CPU loops around
+  // this stay vectorisable). NaN p is in none.
+  const bool e0 = o.p >= acc_t(0), e1 = o.p >= acc_t(0.2), e2 = o.p >= acc_t(0.4), e3 = o.p >= acc_t(0.6),
+             e4 = o.p >= acc_t(0.8);
+  const bool in0 = e0 & !e1, in1 = e1 & !e2, in2 = e2 & !e3, in3 = e3 & !e4, in4 = e4;   // (no bool array:
+  c[(kNTokensBucket0 + 0) * stride] = in0 ? w : zero;                            //  it would sit in memory)
+  c[(kNTokensBucket0 + 1) * stride] = in1 ? w : zero;
+  c[(kNTokensBucket0 + 2) * stride] = in2 ? w : zero;
+  c[(kNTokensBucket0 + 3) * stride] = in3 ? w : zero;
+  c[(kNTokensBucket0 + 4) * stride] = in4 ? w : zero;
+  c[(kNClippedBucket0 + 0) * stride] = (in0 & clipped) ? w : zero;
+  c[(kNClippedBucket0 + 1) * stride] = (in1 & clipped) ? w : zero;
+  c[(kNClippedBucket0 + 2) * stride] = (in2 & clipped) ? w : zero;
+  c[(kNClippedBucket0 + 3) * stride] = (in3 & clipped) ? w : zero;
+  c[(kNClippedBucket0 + 4) * stride] = (in4 & clipped) ? w : zero;
 }
 
 // Add one token's contributions to the counts (sum_t: the accumulator type).

@@ -20,7 +20,7 @@ Written out, ties resolved in favour of the unclipped branch (it is the one that
     else:                                    loss = -A*r    (gradient -A*r w.r.t. log_prob)
 
 (A token with A < 0 cannot be both: lo <= 1 < c.)  The gradient of the log-ratio clamp is
-torch.clamp's: zero where |log_prob - old_log_prob| > 20.  Gradient flows to `log_prob` only.
+1 on |log_prob - old_log_prob| <= 20 and zero outside (torch.clamp's up to torch 2.13).  Gradient flows to `log_prob` only.
 
 `clip` chooses [lo, up]:
     "band"  BandPO: `bandpo_lut.reference.bounds(log_p_old=old_log_prob, delta=delta,
@@ -273,7 +273,11 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
         lp, olp, adv = torch.where(valid, lp, zero), torch.where(valid, olp, zero), \
             torch.where(valid, adv, zero)
 
-    d = torch.clamp(lp - olp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    # The log-ratio clamp with an inclusive gradient (1 on [-20, 20], 0 outside), written out rather than
+    # left to torch.clamp's autograd, whose value at exact ties changed in torch 2.14 (0 or 1/2 there).
+    raw = lp - olp
+    inside = (raw >= -LOG_RATIO_CLAMP) & (raw <= LOG_RATIO_CLAMP)
+    d = torch.where(inside, raw, raw.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     ratio = torch.exp(d)
     p_old = torch.exp(olp)
     lo, up = ratio_bounds(olp, clip=clip, delta=delta, divergence=divergence,

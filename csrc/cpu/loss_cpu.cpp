@@ -93,17 +93,17 @@ BANDPO_INLINE void token_block_f32(const LossParams& L, const float* __restrict 
                                    const float* __restrict mf, const float* __restrict lo,
                                    const float* __restrict up, int m, float* __restrict grad,
                                    float (*__restrict sums)[kBlock]) {
+#pragma omp simd
   for (int i = 0; i < m; ++i) {
     const float w = weight_f32<MASK>(mb, mf, i);
     const bool skip = w == 0.0f;
     TokenTerms<float> o;
-    token_terms<float>(L, lp[i], olp[i], adv[i], w, exp_f32(olp[i]), lo[i], up[i], o);
+    // p_old only feeds the counts (buckets, low-probability); the backward does not need it.
+    const float p = SUMS ? exp_f32_normal(olp[i]) : 0.5f;
+    token_terms<float>(L, lp[i], olp[i], adv[i], w, p, lo[i], up[i], o);
     grad[i] = skip ? 0.0f : o.grad;
     if (SUMS) {
-      float c[kNumCounts];
-      count_terms<float>(o, w, c, 1);
-      BANDPO_UNROLL
-      for (int k = 0; k < kNumCounts; ++k) sums[k][i] = skip ? 0.0f : c[k];
+      count_terms<float>(o, w, &sums[0][i], kBlock);   // w == 0 gives 0 in every count
       sums[kNumCounts][i] = skip ? 0.0f : o.value;
       sums[kNumCounts + 1][i] = w;
     }
