@@ -261,8 +261,9 @@ BANDPO_HD T clamp_like_torch(T x, T lo, T up) {
 
 template <typename T>
 BANDPO_HD bool delta_valid(const TableView& tb, T d) {
-  const bool hi_ok = tb.delta_max_inclusive ? (d <= T(tb.delta_max)) : (d < T(tb.delta_max));
-  return d >= T(tb.delta_min) && hi_ok;
+  // Bitwise, no conditional on the (loop-invariant) flag: the CPU loops around this must vectorise.
+  const bool hi_ok = (d < T(tb.delta_max)) | ((d == T(tb.delta_max)) & tb.delta_max_inclusive);
+  return (d >= T(tb.delta_min)) & hi_ok;
 }
 
 }  // namespace bandpo

@@ -20,6 +20,7 @@
 #include "band_element.h"
 #include "band_host.h"
 #include "cpu/band_cpu.h"
+#include "cpu/table_gather.h"
 
 
 namespace bandpo {
@@ -85,14 +86,9 @@ __attribute__((always_inline)) inline void kl_f32_run(const FastRun& a) {
     for (int i = 0; i < m; ++i) it[i] = axis_cell<float>(t[i], tb.t_min, tb.t_step, tb.nt, ut[i]);
     if (TOKEN) {
       for (int i = 0; i < m; ++i) js[i] = axis_cell<float>(log_f32(dl[start + i]), tb.s_min, tb.s_step, tb.ns, us[i]);
-      for (int i = 0; i < m; ++i) spline2d_cells<float>(tb, it[i], ut[i], js[i], us[i], q[i], kap[i]);
+      patches(tb, it, ut, js, us, q, kap, m);
     } else {
-      for (int i = 0; i < m; ++i) {
-        const float* cf = cells + 8 * it[i];
-        const float u = ut[i];
-        q[i] = cf[0] + u * (cf[1] + u * (cf[2] + u * cf[3]));
-        kap[i] = cf[4] + u * (cf[5] + u * (cf[6] + u * cf[7]));
-      }
+      cell_cubics(cells, it, ut, q, kap, m);
     }
     for (int i = 0; i < m; ++i) {
       float l, u;

@@ -1,0 +1,119 @@
+// The table reads of the CPU band loops (the one part the compiler will not vectorise): per element, the
+// cubics of its t cell (scalar δ) or the 4x4 B-spline patch of its (t, s) cell (per-token δ), for blocks of
+// elements whose cell indices and fractions are already computed.
+//
+// On x86-64 with AVX2+FMA (checked at run time) the reads use whole-row loads: the 8 coefficients of a
+// cell are one 256-bit load, transposed 8 elements at a time; a patch row is one 128-bit load. Elsewhere
+// the same arithmetic runs as scalar code. The result is the same polynomial, evaluated in float.
+#pragma once
+
+#include <cstdint>
+
+#include "bandpo_math.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define BANDPO_HAVE_X86_GATHER 1
+#endif
+
+namespace bandpo {
+
+// q[i], kap[i] from the per-cell power-basis cubics cells[8·it[i] ...] at fraction ut[i].
+inline void cell_cubics_scalar(const float* __restrict cells, const int* __restrict it, const float* __restrict ut,
+                               float* __restrict q, float* __restrict kap, int i0, int m) {
+  for (int i = i0; i < m; ++i) {
+    const float* cf = cells + 8 * it[i];
+    const float u = ut[i];
+    q[i] = cf[0] + u * (cf[1] + u * (cf[2] + u * cf[3]));
+    kap[i] = cf[4] + u * (cf[5] + u * (cf[6] + u * cf[7]));
+  }
+}
+
+// q[i], kap[i] from the 4x4 patches at cells (it[i], js[i]) with fractions (ut[i], us[i]).
+inline void patches_scalar(const TableView& tb, const int* __restrict it, const float* __restrict ut,
+                           const int* __restrict js, const float* __restrict us, float* __restrict q,
+                           float* __restrict kap, int i0, int m) {
+  for (int i = i0; i < m; ++i) spline2d_cells<float>(tb, it[i], ut[i], js[i], us[i], q[i], kap[i]);
+}
+
+#if defined(BANDPO_HAVE_X86_GATHER)
+__attribute__((target("avx2,fma"))) inline void cell_cubics_avx2(const float* __restrict cells,
+                                                                 const int* __restrict it,
+                                                                 const float* __restrict ut, float* __restrict q,
+                                                                 float* __restrict kap, int m) {
+  int i = 0;
+  for (; i + 8 <= m; i += 8) {
+    __m256 r0 = _mm256_loadu_ps(cells + 8 * it[i + 0]), r1 = _mm256_loadu_ps(cells + 8 * it[i + 1]);
+    __m256 r2 = _mm256_loadu_ps(cells + 8 * it[i + 2]), r3 = _mm256_loadu_ps(cells + 8 * it[i + 3]);
+    __m256 r4 = _mm256_loadu_ps(cells + 8 * it[i + 4]), r5 = _mm256_loadu_ps(cells + 8 * it[i + 5]);
+    __m256 r6 = _mm256_loadu_ps(cells + 8 * it[i + 6]), r7 = _mm256_loadu_ps(cells + 8 * it[i + 7]);
+    // 8x8 transpose: row k = element k's coefficients -> c[j] = coefficient j of the 8 elements.
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    const __m256 c0 = _mm256_permute2f128_ps(s0, s4, 0x20), c4 = _mm256_permute2f128_ps(s0, s4, 0x31);
+    const __m256 c1 = _mm256_permute2f128_ps(s1, s5, 0x20), c5 = _mm256_permute2f128_ps(s1, s5, 0x31);
+    const __m256 c2 = _mm256_permute2f128_ps(s2, s6, 0x20), c6 = _mm256_permute2f128_ps(s2, s6, 0x31);
+    const __m256 c3 = _mm256_permute2f128_ps(s3, s7, 0x20), c7 = _mm256_permute2f128_ps(s3, s7, 0x31);
+    const __m256 u = _mm256_loadu_ps(ut + i);
+    _mm256_storeu_ps(q + i, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, c3, c2), c1), c0));
+    _mm256_storeu_ps(kap + i, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, c7, c6), c5), c4));
+  }
+  cell_cubics_scalar(cells, it, ut, q, kap, i, m);
+}
+
+__attribute__((target("avx2,fma"))) inline void patches_avx2(const TableView& tb, const int* __restrict it,
+                                                             const float* __restrict ut, const int* __restrict js,
+                                                             const float* __restrict us, float* __restrict q,
+                                                             float* __restrict kap, int m) {
+  const int ncol = tb.ns + 2;
+  const std::int64_t plane = static_cast<std::int64_t>(tb.nt + 2) * ncol;
+  for (int i = 0; i < m; ++i) {
+    float wt[4], ws[4];
+    bspline_weights<float>(ut[i], wt);
+    bspline_weights<float>(us[i], ws);
+    const __m128 wsv = _mm_loadu_ps(ws);
+    const float* base = tb.coef + static_cast<std::int64_t>(it[i]) * ncol + js[i];
+    // Σ_a wt[a]·row_a for both planes, then the dot product with the s weights.
+    __m128 aq = _mm_mul_ps(_mm_set1_ps(wt[0]), _mm_loadu_ps(base));
+    __m128 ak = _mm_mul_ps(_mm_set1_ps(wt[0]), _mm_loadu_ps(base + plane));
+    for (int a = 1; a < 4; ++a) {
+      aq = _mm_fmadd_ps(_mm_set1_ps(wt[a]), _mm_loadu_ps(base + a * ncol), aq);
+      ak = _mm_fmadd_ps(_mm_set1_ps(wt[a]), _mm_loadu_ps(base + plane + a * ncol), ak);
+    }
+    aq = _mm_mul_ps(aq, wsv);
+    ak = _mm_mul_ps(ak, wsv);
+    const __m128 h = _mm_hadd_ps(aq, ak);          // [q01, q23, k01, k23]
+    const __m128 h2 = _mm_hadd_ps(h, h);           // [q, k, q, k]
+    q[i] = _mm_cvtss_f32(h2);
+    kap[i] = _mm_cvtss_f32(_mm_shuffle_ps(h2, h2, 0x55));
+  }
+}
+
+inline bool cpu_has_avx2_fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+#endif
+
+inline void cell_cubics(const float* cells, const int* it, const float* ut, float* q, float* kap, int m) {
+#if defined(BANDPO_HAVE_X86_GATHER)
+  if (cpu_has_avx2_fma()) return cell_cubics_avx2(cells, it, ut, q, kap, m);
+#endif
+  cell_cubics_scalar(cells, it, ut, q, kap, 0, m);
+}
+
+inline void patches(const TableView& tb, const int* it, const float* ut, const int* js, const float* us, float* q,
+                    float* kap, int m) {
+#if defined(BANDPO_HAVE_X86_GATHER)
+  if (cpu_has_avx2_fma()) return patches_avx2(tb, it, ut, js, us, q, kap, m);
+#endif
+  patches_scalar(tb, it, ut, js, us, q, kap, 0, m);
+}
+
+}  // namespace bandpo
