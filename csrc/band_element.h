@@ -19,6 +19,18 @@ BANDPO_HD const float* cell_table<float>(const BandParams& P) { return P.cell_f;
 template <>
 BANDPO_HD const double* cell_table<double>(const BandParams& P) { return P.cell_d; }
 
+// Float64 inputs: beyond the grid the asymptotic tail values are refined by the exact fixed points
+// (single precision needs no refinement: the asymptotic forms are already below its rounding).
+template <typename acc_t>
+BANDPO_HD void kl_refine_tails(const TableView& tb, acc_t p, acc_t omp, acc_t t, const DeltaConsts<acc_t>& c,
+                               acc_t& lo, acc_t& up) {
+  if constexpr (std::is_same<acc_t, double>::value) {
+    const double tmin = tb.t_min, tmax = tb.t_min + (tb.nt - 1) * tb.t_step;
+    if (t < tmin && p > 0.0) up = kl_refine_upper(p, omp, up * p, c.delta) / p;
+    if (t > tmax && omp > 0.0) lo = kl_refine_lower(p, omp, lo, c.delta);
+  }
+}
+
 // KL with a scalar δ: the hot path (one log, one exp, two cubics per element). LOG: x is log p.
 template <bool LOG, typename acc_t>
 BANDPO_HD void kl_scalar_delta_t(const BandParams& P, const acc_t* cells, const DeltaConsts<acc_t>& c, acc_t x,
@@ -30,11 +42,7 @@ BANDPO_HD void kl_scalar_delta_t(const BandParams& P, const acc_t* cells, const 
   const acc_t q = a[0] + u * (a[1] + u * (a[2] + u * a[3]));
   const acc_t kappa = a[4] + u * (a[5] + u * (a[6] + u * a[7]));
   kl_finish<acc_t>(p, omp, t, q, kappa, c, P.table, lo, up);
-  if constexpr (std::is_same<acc_t, double>::value) {
-    const double tmin = P.table.t_min, tmax = P.table.t_min + (P.table.nt - 1) * P.table.t_step;
-    if (t < tmin && p > 0.0) up = kl_refine_upper(p, omp, up * p, c.delta) / p;
-    if (t > tmax && omp > 0.0) lo = kl_refine_lower(p, omp, lo, c.delta);
-  }
+  kl_refine_tails<acc_t>(P.table, p, omp, t, c, lo, up);
 }
 
 template <typename acc_t>
@@ -56,11 +64,7 @@ BANDPO_HD void kl_token_delta(const BandParams& P, acc_t x, acc_t delta, acc_t& 
   acc_t q, kappa;
   spline2d<acc_t>(P.table, t, log_any(delta), q, kappa);
   kl_finish<acc_t>(p, omp, t, q, kappa, c, P.table, lo, up);
-  if constexpr (std::is_same<acc_t, double>::value) {
-    const double tmin = P.table.t_min, tmax = P.table.t_min + (P.table.nt - 1) * P.table.t_step;
-    if (t < tmin && p > 0.0) up = kl_refine_upper(p, omp, up * p, c.delta) / p;
-    if (t > tmax && omp > 0.0) lo = kl_refine_lower(p, omp, lo, c.delta);
-  }
+  kl_refine_tails<acc_t>(P.table, p, omp, t, c, lo, up);
 }
 
 // Closed forms, always in double: the probability terms are recomputed in double from the input.

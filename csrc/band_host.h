@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/TensorIterator.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Optional.h>
 
@@ -76,6 +77,43 @@ inline std::vector<int64_t> broadcast_shape(const char* op, std::initializer_lis
     }
   }
   return shape;
+}
+
+// The element-wise iteration of `bounds` (outputs lo, up) or `clip` (output out, when ratio is given) over
+// the broadcast inputs, after the argument checks. Outputs are allocated contiguous in the broadcast
+// shape, as the fake kernels promise; the iterator only resolves strides.
+struct BandIter {
+  at::TensorIterator iter;
+  at::Tensor lo, up, out;
+};
+
+inline BandIter make_band_iter(const char* op, const at::Tensor* ratio, const at::Tensor& prob,
+                               const c10::optional<at::Tensor>& delta, const at::Tensor& table,
+                               c10::ArrayRef<double> grid, int64_t divergence, double max_ratio) {
+  check_prob_and_delta(op, prob, delta, table, grid, divergence, max_ratio);
+  if (ratio) {
+    TORCH_CHECK(ratio->scalar_type() == prob.scalar_type(), op, ": ratio dtype ", ratio->scalar_type(),
+                " differs from p_old's ", prob.scalar_type());
+    TORCH_CHECK(ratio->device() == prob.device(), op, ": ratio is on ", ratio->device(), " but p_old is on ",
+                prob.device());
+  }
+  const at::Tensor none;
+  const auto shape = broadcast_shape(op, {ratio ? *ratio : none, prob, delta.has_value() ? *delta : none});
+  BandIter b;
+  auto cfg = at::TensorIteratorConfig();
+  if (ratio) {
+    b.out = at::empty(shape, prob.options());
+    cfg.add_output(b.out).add_const_input(*ratio);
+  } else {
+    b.lo = at::empty(shape, prob.options());
+    b.up = at::empty(shape, prob.options());
+    cfg.add_output(b.lo).add_output(b.up);
+  }
+  cfg.add_const_input(prob);
+  if (delta.has_value()) cfg.add_const_input(*delta);
+  cfg.check_all_same_dtype(true).resize_outputs(false);
+  b.iter = cfg.build();
+  return b;
 }
 
 }  // namespace bandpo

@@ -222,46 +222,27 @@ std::tuple<at::Tensor, at::Tensor> bounds_cpu(const at::Tensor& prob, const c10:
                                               double delta_scalar, const at::Tensor& table,
                                               c10::ArrayRef<double> grid, int64_t divergence, bool log_input,
                                               double max_ratio) {
-  check_prob_and_delta("bounds", prob, delta, table, grid, divergence, max_ratio);
+  BandIter it = make_band_iter("bounds", nullptr, prob, delta, table, grid, divergence, max_ratio);
   const bool per_token = delta.has_value();
-  const auto shape = broadcast_shape("bounds", {prob, per_token ? *delta : at::Tensor()});
-  at::Tensor lo = at::empty(shape, prob.options());
-  at::Tensor up = at::empty(shape, prob.options());
-  auto cfg = at::TensorIteratorConfig();
-  cfg.add_output(lo).add_output(up).add_const_input(prob);
-  if (per_token) cfg.add_const_input(*delta);
-  cfg.check_all_same_dtype(true).resize_outputs(false);
-  auto iter = cfg.build();
   std::shared_ptr<const CellPolys> keep;
   const BandParams P = params_with_cells(table, grid, divergence, log_input, delta_scalar, max_ratio, per_token, keep);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::bounds", [&] {
-    run_generic<scalar_t, false>(iter, P, per_token);
+    run_generic<scalar_t, false>(it.iter, P, per_token);
   });
-  return {lo, up};
+  return {it.lo, it.up};
 }
 
 at::Tensor clip_cpu(const at::Tensor& ratio, const at::Tensor& prob, const c10::optional<at::Tensor>& delta,
                     double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
                     bool log_input, double max_ratio) {
-  check_prob_and_delta("clip", prob, delta, table, grid, divergence, max_ratio);
-  TORCH_CHECK(ratio.scalar_type() == prob.scalar_type(), "clip: ratio dtype ", ratio.scalar_type(),
-              " differs from p_old's ", prob.scalar_type());
-  TORCH_CHECK(ratio.device() == prob.device(), "clip: ratio is on ", ratio.device(), " but p_old is on ",
-              prob.device());
+  BandIter it = make_band_iter("clip", &ratio, prob, delta, table, grid, divergence, max_ratio);
   const bool per_token = delta.has_value();
-  const auto shape = broadcast_shape("clip", {ratio, prob, per_token ? *delta : at::Tensor()});
-  at::Tensor out = at::empty(shape, ratio.options());
-  auto cfg = at::TensorIteratorConfig();
-  cfg.add_output(out).add_const_input(ratio).add_const_input(prob);
-  if (per_token) cfg.add_const_input(*delta);
-  cfg.check_all_same_dtype(true).resize_outputs(false);
-  auto iter = cfg.build();
   std::shared_ptr<const CellPolys> keep;
   const BandParams P = params_with_cells(table, grid, divergence, log_input, delta_scalar, max_ratio, per_token, keep);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::clip", [&] {
-    run_generic<scalar_t, true>(iter, P, per_token);
+    run_generic<scalar_t, true>(it.iter, P, per_token);
   });
-  return out;
+  return it.out;
 }
 
 }  // namespace

@@ -198,13 +198,11 @@ RowInputs<scalar_t> row_inputs(const LossTensors& T, int64_t b) {
   return in;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cpu(
-    const at::Tensor& lp, const at::Tensor& olp, const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
-    const c10::optional<at::Tensor>& delta, double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid,
-    int64_t divergence, int64_t clip_kind, double eps_low, double eps_high, double max_ratio, double dual_clip,
-    int64_t mode) {
-  const LossTensors T = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta);
-  std::shared_ptr<const CellPolys> keep;
+// The loss parameters, with the scalar-δ KL cell cubics (kept alive by `keep`) when the band needs them.
+LossParams loss_params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
+                                  int64_t clip_kind, double eps_low, double eps_high, double max_ratio,
+                                  double dual_clip, int64_t mode, double delta_scalar, const LossTensors& T,
+                                  std::shared_ptr<const CellPolys>& keep) {
   LossParams L = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio, dual_clip, mode,
                                   delta_scalar, T);
   if (L.clip_kind == kClipBand && L.band.divergence == kKL && !L.per_token_delta) {
@@ -212,6 +210,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cpu(
     L.band.cell_f = keep->f.data();
     L.band.cell_d = keep->d.data();
   }
+  return L;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cpu(
+    const at::Tensor& lp, const at::Tensor& olp, const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
+    const c10::optional<at::Tensor>& delta, double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid,
+    int64_t divergence, int64_t clip_kind, double eps_low, double eps_high, double max_ratio, double dual_clip,
+    int64_t mode) {
+  const LossTensors T = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta);
+  std::shared_ptr<const CellPolys> keep;
+  const LossParams L = loss_params_with_cells(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio,
+                                              dual_clip, mode, delta_scalar, T, keep);
   const int64_t B = lp.size(0), n = lp.size(1);
   auto f64 = lp.options().dtype(at::kDouble);
   at::Tensor row_sum = at::zeros({B}, f64), row_w = at::zeros({B}, f64), counts = at::zeros({kNumCounts}, f64);
@@ -270,13 +280,8 @@ at::Tensor loss_bwd_cpu(const at::Tensor& grad_row, const at::Tensor& lp, const 
               "policy_loss_bwd: grad_row must be a (batch,) tensor on log_prob's device");
   const at::Tensor g = grad_row.to(at::kDouble).contiguous();
   std::shared_ptr<const CellPolys> keep;
-  LossParams L = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio, dual_clip, mode,
-                                  delta_scalar, T);
-  if (L.clip_kind == kClipBand && L.band.divergence == kKL && !L.per_token_delta) {
-    keep = cell_polys(L.band);
-    L.band.cell_f = keep->f.data();
-    L.band.cell_d = keep->d.data();
-  }
+  const LossParams L = loss_params_with_cells(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio,
+                                              dual_clip, mode, delta_scalar, T, keep);
   const int64_t B = lp.size(0), n = lp.size(1);
   at::Tensor grad = at::empty_like(lp);
   const double* G = g.data_ptr<double>();

@@ -136,42 +136,23 @@ std::tuple<at::Tensor, at::Tensor> bounds_cuda(const at::Tensor& prob, const c10
                                                double delta_scalar, const at::Tensor& table,
                                                c10::ArrayRef<double> grid, int64_t divergence, bool log_input,
                                                double max_ratio) {
-  check_prob_and_delta("bounds", prob, delta, table, grid, divergence, max_ratio);
   const c10::cuda::CUDAGuard guard(prob.device());
+  BandIter it = make_band_iter("bounds", nullptr, prob, delta, table, grid, divergence, max_ratio);
   const bool per_token = delta.has_value();
-  const auto shape = broadcast_shape("bounds", {prob, per_token ? *delta : at::Tensor()});
-  at::Tensor lo = at::empty(shape, prob.options());
-  at::Tensor up = at::empty(shape, prob.options());
-  auto cfg = at::TensorIteratorConfig();
-  cfg.add_output(lo).add_output(up).add_const_input(prob);
-  if (per_token) cfg.add_const_input(*delta);
-  cfg.check_all_same_dtype(true).resize_outputs(false);
-  auto iter = cfg.build();
   const BandParams P = make_params(table, grid, divergence, log_input, delta_scalar, max_ratio);
-  launch<false>(iter, P, per_token, prob.scalar_type(), prob.get_device());
-  return {lo, up};
+  launch<false>(it.iter, P, per_token, prob.scalar_type(), prob.get_device());
+  return {it.lo, it.up};
 }
 
 at::Tensor clip_cuda(const at::Tensor& ratio, const at::Tensor& prob, const c10::optional<at::Tensor>& delta,
                      double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
                      bool log_input, double max_ratio) {
-  check_prob_and_delta("clip", prob, delta, table, grid, divergence, max_ratio);
-  TORCH_CHECK(ratio.scalar_type() == prob.scalar_type(), "clip: ratio dtype ", ratio.scalar_type(),
-              " differs from p_old's ", prob.scalar_type());
-  TORCH_CHECK(ratio.device() == prob.device(), "clip: ratio is on ", ratio.device(), " but p_old is on ",
-              prob.device());
   const c10::cuda::CUDAGuard guard(prob.device());
+  BandIter it = make_band_iter("clip", &ratio, prob, delta, table, grid, divergence, max_ratio);
   const bool per_token = delta.has_value();
-  const auto shape = broadcast_shape("clip", {ratio, prob, per_token ? *delta : at::Tensor()});
-  at::Tensor out = at::empty(shape, ratio.options());
-  auto cfg = at::TensorIteratorConfig();
-  cfg.add_output(out).add_const_input(ratio).add_const_input(prob);
-  if (per_token) cfg.add_const_input(*delta);
-  cfg.check_all_same_dtype(true).resize_outputs(false);
-  auto iter = cfg.build();
   const BandParams P = make_params(table, grid, divergence, log_input, delta_scalar, max_ratio);
-  launch<true>(iter, P, per_token, prob.scalar_type(), prob.get_device());
-  return out;
+  launch<true>(it.iter, P, per_token, prob.scalar_type(), prob.get_device());
+  return it.out;
 }
 
 }  // namespace
