@@ -249,3 +249,13 @@ def test_bad_inputs_name_the_argument():
         bandpo_lut.clip(r, p, max_ratio=0.5)
     with pytest.raises(TypeError, match="p_old: expected a torch.Tensor"):
         bandpo_lut.bounds([0.5])
+
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+def test_per_token_delta_blocks_inside_the_grid(device):
+    """Blocks whose every p lies inside the table's t range take a shortcut on CPU: same results."""
+    p64, d64 = random_points(600, seed=21, t_range=(-9.0, 9.0))
+    lo, up = bandpo_lut.bounds(p64.float().to(device), d64.float().to(device), "kl")
+    rlo, rup = accuracy.exact_bounds_f64(p64.float().double().numpy(), d64.float().double().numpy(), "kl")
+    assert rel_error_upper(up, torch.from_numpy(rup).float()).max() <= 1e-6
+    assert rel_error_lower(lo, torch.from_numpy(rlo), torch.float32).max() <= 1e-6

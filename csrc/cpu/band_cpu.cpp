@@ -68,6 +68,24 @@ __attribute__((always_inline)) inline void store(const FastRun& a, int64_t i, fl
   }
 }
 
+// Pass 3 of a per-token-δ block; TAILS: whether the block has elements beyond the grid in t.
+template <bool CLIP, bool TAILS>
+__attribute__((always_inline)) inline void kl_finish_token_block(const FastRun& a, int64_t start, int m,
+                                                                const float* p, const float* omp, const float* t,
+                                                                const float* q, const float* kap, float cap) {
+  const TableView tb = a.P->table;
+  const float* __restrict dl = a.delta;
+  const float nan = bits_to_float(0x7fc00000);
+  for (int i = 0; i < m; ++i) {
+    const float d = dl[start + i];
+    const DeltaConsts<float> c = TAILS ? delta_consts<float>(d) : DeltaConsts<float>{d, 1.0f, 0.0f, 0.0f};
+    float l, u;
+    kl_finish<float>(p[i], omp[i], t[i], q[i], kap[i], c, tb, l, u);
+    const bool ok = delta_valid<float>(tb, d);
+    store<CLIP>(a, start + i, ok ? l : nan, ok ? u : nan, cap);
+  }
+}
+
 template <bool LOG, bool CLIP, bool TOKEN>
 __attribute__((always_inline)) inline void kl_f32_run(const FastRun& a) {
   const BandParams& P = *a.P;
@@ -90,20 +108,23 @@ __attribute__((always_inline)) inline void kl_f32_run(const FastRun& a) {
     } else {
       cell_cubics(cells, it, ut, q, kap, m);
     }
-    for (int i = 0; i < m; ++i) {
-      float l, u;
-      if (TOKEN) {
-        const float d = dl[start + i];
-        const DeltaConsts<float> c = delta_consts<float>(d);
-        kl_finish<float>(p[i], omp[i], t[i], q[i], kap[i], c, tb, l, u);
-        const float nan = bits_to_float(0x7fc00000);
-        const bool ok = delta_valid<float>(tb, d);
-        l = ok ? l : nan;
-        u = ok ? u : nan;
+    if (TOKEN) {
+      // Per-token δ: its tail constants (an expm1 and a log each) matter only beyond the grid in t; a
+      // block with no such element skips them (kl_finish's selects then never pick the tail values).
+      const float tmin = static_cast<float>(tb.t_min), tmax = static_cast<float>(tb.t_min + (tb.nt - 1) * tb.t_step);
+      int any_tail = 0;
+      for (int i = 0; i < m; ++i) any_tail |= int(!((t[i] >= tmin) & (t[i] <= tmax)));
+      if (any_tail) {
+        kl_finish_token_block<CLIP, true>(a, start, m, p, omp, t, q, kap, cap);
       } else {
-        kl_finish<float>(p[i], omp[i], t[i], q[i], kap[i], c0, tb, l, u);
+        kl_finish_token_block<CLIP, false>(a, start, m, p, omp, t, q, kap, cap);
       }
-      store<CLIP>(a, start + i, l, u, cap);
+    } else {
+      for (int i = 0; i < m; ++i) {
+        float l, u;
+        kl_finish<float>(p[i], omp[i], t[i], q[i], kap[i], c0, tb, l, u);
+        store<CLIP>(a, start + i, l, u, cap);
+      }
     }
   }
 }
