@@ -1,8 +1,10 @@
 // Branch-free float32 log/exp/expm1 for the CPU kernels, so that the compiler can vectorise whole loops
 // (glibc's scalar logf/expf calls block auto-vectorisation). On the GPU the CUDA math library is used.
 //
-// Accuracy (measured against double precision over the whole float range, see tests/test_fast_math.py
-// through the op): log ≤ 2 ulp, exp ≤ 2 ulp, expm1 ≤ 3 ulp. NaN in gives NaN out; ±inf and 0 follow C.
+// Accuracy against double-precision libm (sampled: every 97th normal float for log, [-87, 88] for exp,
+// [-20, 20] for expm1): log 1.9 ulp, exp 1.2 ulp, expm1 4.0 ulp (near |x| = 0.35, where it switches
+// from its series to exp - 1). The ops' end-to-end accuracy is tested against mpmath (tests/test_ops.py).
+// NaN in gives NaN out; ±inf and 0 follow C.
 #pragma once
 
 #include <cmath>
