@@ -18,15 +18,7 @@ def build_info() -> dict:
     from . import _extension, tables
 
     info = dict(_extension.build_info())
-    info["tables"] = {}
-    for name in tables.SHIPPED:
-        try:
-            h = tables.get(name).header
-            info["tables"][name] = {"path": str(tables.shipped_path(name)), "sha256": h["payload_sha256"],
-                                    "generator": h["generator"], "accuracy": h.get("accuracy"),
-                                    "delta_range": h["delta_range"]}
-        except (OSError, ValueError) as e:
-            info["tables"][name] = {"error": str(e)}
+    info["tables"] = tables.provenance()
     return info
 
 

@@ -20,6 +20,16 @@ SUBCOMMANDS = {
 }
 
 
+def max_ratio_arg(text: str) -> float | None:
+    """argparse type of --max-ratio (demo, plot): a number >= 1, or 'none' for no cap."""
+    if text.lower() == "none":
+        return None
+    value = float(text)
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or 'none', got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="bandpo-lut", description="BandPO trust-region ratio bounds.")

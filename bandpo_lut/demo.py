@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from .cli import max_ratio_arg
+
 
 # name -> policy_loss keyword arguments; max_ratio is added from --max-ratio for dcpo and band.
 METHODS = {
@@ -96,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=_positive_float, default=0.05, help="Adam learning rate (default 0.05)")
     parser.add_argument("--init-scale", type=_positive_float, default=4.0,
                         help="std of the initial logits (default 4: the top token has p ~ 0.4)")
-    parser.add_argument("--max-ratio", type=_max_ratio, default=10.0,
+    parser.add_argument("--max-ratio", type=max_ratio_arg, default=10.0,
                         help="cap on the upper bound of DCPO and BandPO, 'none' for no cap (default 10)")
     parser.add_argument("--loss", choices=("auto", "fused", "reference"), default="auto",
                         help="policy_loss implementation: the fused op, the pure-PyTorch reference, "
@@ -397,15 +399,6 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _max_ratio(text: str) -> float | None:
-    if text.lower() == "none":
-        return None
-    value = float(text)
-    if not value >= 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 or 'none', got {text}")
     return value
 
 

@@ -148,7 +148,7 @@ def lower_q(div, p, delta, continued=False):
             return mpmath.mpf(0)
         if div.continuation == "closed_form":
             return div.closed_form(p, omp, d, MP)[0]
-        h = lambda q: div.g(p, omp, q, MP) - d      # decreasing in q: solve -h
+        h = lambda q: div.g(p, omp, q, MP) - d      # decreasing in q; Ridders takes either sign order
         a, b = mpmath.mpf(-1), mpmath.mpf(0)
         while h(a) < 0:
             a = 2 * a

@@ -14,13 +14,8 @@ def run(args) -> int:
     try:
         info = bandpo_lut.build_info()
     except ImportError as e:          # no compiled extension: still show the tables
-        info = {"extension_error": str(e), "tables": {}}
         from bandpo_lut import tables
-        for name in tables.SHIPPED:
-            h = tables.get(name).header
-            info["tables"][name] = {"path": str(tables.shipped_path(name)), "sha256": h["payload_sha256"],
-                                    "generator": h["generator"], "accuracy": h.get("accuracy"),
-                                    "delta_range": h["delta_range"]}
+        info = {"extension_error": str(e), "tables": tables.provenance()}
     if args.json:
         print(json.dumps(info, indent=1, default=str))
         return 0

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from .cli import max_ratio_arg
+
 BASELINES = (  # label, clip, eps_low, eps_high, colour, line style
     ("PPO clip 0.8 / 1.2", "fixed", 0.2, 0.2, "0.25", (0, (5, 2))),
     ("clip-higher 0.8 / 1.28", "fixed", 0.2, 0.28, "0.5", (0, (1, 1.5))),
@@ -32,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated trust-region radii (default 0.05,0.1)")
     parser.add_argument("--p-min", type=_p_min, default=1e-4,
                         help="smallest p on the axis, in (0, 0.5) (default 1e-4)")
-    parser.add_argument("--max-ratio", type=_max_ratio, default=None,
+    parser.add_argument("--max-ratio", type=max_ratio_arg, default=None,
                         help="cap the upper bounds of the bands and DCPO (default: none)")
     parser.add_argument("--no-baselines", action="store_true",
                         help="leave out PPO clip, clip-higher and DCPO")
@@ -166,13 +168,4 @@ def _p_min(text: str) -> float:
     value = float(text)
     if not 0 < value < 0.5:
         raise argparse.ArgumentTypeError(f"must be in (0, 0.5), got {text}")
-    return value
-
-
-def _max_ratio(text: str) -> float | None:
-    if text.lower() == "none":
-        return None
-    value = float(text)
-    if not value >= 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 or 'none', got {text}")
     return value

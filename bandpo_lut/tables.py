@@ -155,3 +155,16 @@ def get(divergence: str) -> Table:
     divergences.get(divergence)  # clear error for an unknown name
     with _shipped_lock:
         return _load_shipped(divergence)
+
+
+def provenance() -> dict:
+    """Each shipped table's path, sha256, generator, measured accuracy and δ range (or its load error)."""
+    out = {}
+    for name in SHIPPED:
+        try:
+            h = get(name).header
+            out[name] = {"path": str(shipped_path(name)), "sha256": h["payload_sha256"], "generator": h["generator"],
+                         "accuracy": h.get("accuracy"), "delta_range": h["delta_range"]}
+        except (OSError, ValueError) as e:
+            out[name] = {"error": str(e)}
+    return out
