@@ -2,7 +2,7 @@
 //
 // TensorIterator handles broadcasting, strides and the parallel split (at::parallel_for underneath);
 // contiguous float32 runs go through branch-free blocked loops that GCC vectorises,
-// compiled for AVX2+FMA and for the baseline ISA with function multi-versioning (the loader picks one at
+// compiled for AVX-512, AVX2+FMA and the baseline ISA with function multi-versioning (the loader picks one at
 // run time). Everything else runs the same per-element code in a plain strided loop.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
