@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -397,10 +398,12 @@ def main() -> None:
     # -fno-trapping-math: lets GCC if-convert the branch-free float loops (csrc/cpu) and vectorise them;
     # it changes no result (NaN and inf semantics are kept), only assumptions about FP exception flags.
     # -mprefer-vector-width=512: GCC's generic tuning vectorises 256 bits wide even in the AVX-512 clone
-    # (csrc/cpu/band_cpu.h); 512 is what the clone is for. Code for other ISAs is unaffected.
+    # (csrc/cpu/band_cpu.h); 512 is what the clone is for. x86 only; code for other ISAs is unaffected.
     # -fopenmp: at::parallel_for is inlined from torch's headers into our code, and parallelises only
     # when the extension itself is compiled with OpenMP (torch's CPU builds use the same libgomp).
-    cxx_flags = ["-O3", "-fno-trapping-math", "-mprefer-vector-width=512"]
+    cxx_flags = ["-O3", "-fno-trapping-math"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        cxx_flags.append("-mprefer-vector-width=512")  # an x86 option; other compilers' targets refuse it
     link_flags = []
     if sys.platform.startswith("linux"):
         cxx_flags.append("-fopenmp")
