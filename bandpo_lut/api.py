@@ -1,8 +1,24 @@
-"""The public compiled API: `bounds` and `clip` (validation here, math in csrc/)."""
+"""The public compiled API: `bounds` and `clip` (validation here, math in csrc/).
+
+How a table reaches the compiled ops, in any context a user may call them from first (eager, under
+torch.compile with or without fullgraph/dynamic, torch.export, a FakeTensorMode):
+  * `_table_meta` loads the table file (I/O, numpy, locks: nothing Dynamo can trace) and builds the
+    coefficient tensors. Dynamo calls it for real at trace time and treats its result as a constant,
+    because it carries the marker of `torch.compiler.assume_constant_result` (set here directly:
+    importing that decorator would import torch._dynamo with the package, ~2 s).
+  * The tensors are built with every dispatch mode switched off, so that a cache filled during tracing
+    holds real tensors, never FakeTensors, and later eager calls are unaffected.
+  * They are marked static for Dynamo, so that dynamic=True never makes a table size symbolic (a batch
+    dimension equal to a table size must not couple the two).
+  * A scalar δ that Dynamo turns into a symbolic float (a δ schedule under torch.compile) reaches the
+    op as a 0-dim float64 CPU tensor, read on the host by the kernel: one graph serves every value.
+"""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -12,32 +28,71 @@ from . import tables as _tables
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-@dataclass(frozen=True)
-class _TableArgs:
-    """What the ops need from a table, prepared once per (divergence, device) and reused every call."""
-    coefficients: torch.Tensor
-    grid: list
-    table: _tables.Table
+def _constant_result(fn):
+    fn._dynamo_marked_constant = True  # what torch.compiler.assume_constant_result sets
+    return fn
 
 
-_PREPARED: dict = {}
+class TableMeta(NamedTuple):
+    """What the ops need to know of a table besides its coefficients (plain constants, so that Dynamo can
+    take them as the result of `_table_meta`)."""
+    divergence: str
+    grid: tuple          # (t_min, t_step, s_min, s_step, delta_min, delta_max, delta_max_inclusive): csrc/band_host.h
+    delta_min: float
+    delta_max: float
+    delta_max_inclusive: bool
+    source: str
 
 
-def _prepare(divergence: str, device: torch.device) -> _TableArgs:
+def check_delta(delta, meta: TableMeta) -> None:
+    """Raise a clear error for a number δ outside the table's range (a symbolic δ only adds range guards)."""
+    hi_ok = delta <= meta.delta_max if meta.delta_max_inclusive else delta < meta.delta_max
+    if not (meta.delta_min <= delta and hi_ok):   # NaN is refused too
+        close = "]" if meta.delta_max_inclusive else ")"
+        raise ValueError(f"delta: {delta!r} is outside the {meta.divergence!r} table's range "
+                         f"[{meta.delta_min:g}, {meta.delta_max:g}{close} ({meta.source})")
+
+
+_COEFFICIENTS: dict = {}   # (divergence, device string) -> real float32 coefficient tensor
+
+
+def _real_tensor_scope():
+    # Every dispatch mode off (FakeTensorMode, the proxy modes of export/make_fx): tensors built here are real.
+    from torch.utils._python_dispatch import _disable_current_modes
+    return _disable_current_modes()
+
+
+def _mark_static(t: torch.Tensor) -> torch.Tensor:
+    # torch._dynamo.mark_static(t), without importing torch._dynamo: the attributes Dynamo reads.
+    t._dynamo_static_indices = set(range(t.dim()))
+    t._has_dynamo_dim_marking = True
+    return t
+
+
+@_constant_result
+def _table_meta(divergence: str, device: str) -> TableMeta:
+    """Load `divergence`'s table and put its coefficients on `device` (once per process and device)."""
+    table = _tables.get(divergence)
     key = (divergence, device)
-    prepared = _PREPARED.get(key)
-    if prepared is None:
-        table = _tables.get(divergence)
-        grid = [table.t.min, table.t.step, table.s.min, table.s.step, table.delta_min, table.delta_max,
-                1.0 if table.delta_max_inclusive else 0.0]
-        prepared = _TableArgs(table.coefficients(device), grid, table)
-        _PREPARED[key] = prepared
-    return prepared
+    if key not in _COEFFICIENTS:
+        with _real_tensor_scope():
+            _COEFFICIENTS[key] = _mark_static(table.coefficients(device))
+    grid = (table.t.min, table.t.step, table.s.min, table.s.step, table.delta_min, table.delta_max,
+            1.0 if table.delta_max_inclusive else 0.0)
+    return TableMeta(divergence, grid, table.delta_min, table.delta_max, table.delta_max_inclusive, table.source)
 
 
-@torch.compiler.assume_constant_result
-def _coefficients(divergence: str, device: torch.device) -> torch.Tensor:
-    return _prepare(divergence, device).coefficients
+def table_for(divergence: str, prob: torch.Tensor) -> tuple[TableMeta, torch.Tensor]:
+    """The table's constants and its coefficient tensor on prob's device, in the form the current
+    context needs (a real tensor; its fake counterpart when prob is a FakeTensor outside Dynamo)."""
+    device = str(prob.device)
+    meta = _table_meta(divergence, device)
+    coefficients = _COEFFICIENTS[(divergence, device)]
+    if not torch.compiler.is_compiling():
+        fake_mode = getattr(prob, "fake_mode", None)   # a FakeTensor: use the mode's (memoised) fake copy
+        if fake_mode is not None:
+            coefficients = fake_mode.from_tensor(coefficients, static_shapes=True)
+    return meta, coefficients
 
 
 def _ops():
@@ -45,54 +100,104 @@ def _ops():
     return ops_module.ops
 
 
-def _check_tensor(name, x):
+def check_tensor(name: str, x) -> None:
+    """The one check of a floating tensor argument, shared by every entry point."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOATS:
         raise TypeError(f"{name}: expected a floating tensor (float32, float64, float16 or bfloat16), got {x.dtype}")
 
 
-def prepare_args(p_old, log_p_old, delta, divergence, max_ratio, others=()):
-    """Validate the band arguments; returns (prob, log_input, delta_tensor, delta_scalar, div_id, table, grid,
-    max_ratio, dtype) with every tensor promoted to the common floating dtype. `others` are (name, tensor)
-    pairs that must share the device and take part in dtype promotion (e.g. the ratio)."""
-    if (p_old is None) == (log_p_old is None):
-        raise ValueError("p_old / log_p_old: give exactly one of them (got "
-                         f"{'both' if p_old is not None else 'neither'})")
-    name, prob = ("p_old", p_old) if p_old is not None else ("log_p_old", log_p_old)
-    _check_tensor(name, prob)
+_check_tensor = check_tensor   # the name other modules used
+
+
+def compiled_divergence(divergence) -> _div.Divergence:
+    """The registry entry of a divergence that has a compiled kernel, or a clear error."""
     div = _div.get(divergence)
     if div.compiled_id is None:
         raise ValueError(f"divergence: {divergence!r} has no compiled kernel; compiled: "
                          f"{[n for n in _div.names() if _div.get(n).compiled_id is not None]} "
                          f"(bandpo_lut.reference.bounds supports all of {_div.names()})")
-    named = [(name, prob)] + list(others)
+    return div
+
+
+def is_number(x) -> bool:
+    """A real Python or NumPy number, or a symbolic float under torch.compile; never a bool."""
+    return isinstance(x, (numbers.Real, torch.SymFloat, torch.SymInt)) and not isinstance(x, bool)
+
+
+def scalar_delta(delta, meta: TableMeta) -> tuple[torch.Tensor | None, float]:
+    """A number δ as the ops take it: checked against the table's range, then either a float (the fast
+    path, specialised by torch.compile) or, when torch.compile made it symbolic (a δ schedule), a 0-dim
+    float64 CPU tensor that the kernels read on the host, so one graph serves every value."""
+    if not isinstance(delta, (torch.SymFloat, torch.SymInt)):
+        delta = float(delta)
+    check_delta(delta, meta)
+    if isinstance(delta, (torch.SymFloat, torch.SymInt)):
+        return torch.scalar_tensor(delta, dtype=torch.float64), 0.0
+    return None, delta
+
+
+def check_broadcast(named) -> None:
+    """Shapes that cannot broadcast: an error naming the arguments, not torch's internal one."""
+    shape, names = torch.Size(), []
+    for name, t in named:
+        try:
+            shape = torch.broadcast_shapes(shape, t.shape)
+        except RuntimeError:
+            raise ValueError(f"{name}: shape {tuple(t.shape)} cannot be broadcast with "
+                             f"{' and '.join(names)} (broadcast shape {tuple(shape)})") from None
+        names.append(name)
+
+
+@dataclass(frozen=True)
+class BandArgs:
+    """Validated band arguments, ready for the ops (every tensor in the common floating dtype)."""
+    prob: torch.Tensor            # p_old, or log p_old when log_input
+    log_input: bool
+    delta: torch.Tensor | None    # per-token δ, or a 0-dim float64 CPU δ read on the host, or None
+    delta_scalar: float           # the number δ when `delta` is None
+    divergence_id: int
+    coefficients: torch.Tensor
+    grid: tuple
+    max_ratio: float
+    dtype: torch.dtype
+
+
+def prepare_args(p_old, log_p_old, delta, divergence, max_ratio, others=()) -> BandArgs:
+    """Validate the band arguments. `others` are (name, tensor) pairs that must share the device and take
+    part in dtype promotion and broadcasting (e.g. the ratio)."""
+    if (p_old is None) == (log_p_old is None):
+        raise ValueError("p_old / log_p_old: give exactly one of them (got "
+                         f"{'both' if p_old is not None else 'neither'})")
+    name, prob = ("p_old", p_old) if p_old is not None else ("log_p_old", log_p_old)
+    check_tensor(name, prob)
+    div = compiled_divergence(divergence)
+    named = list(others) + [(name, prob)]
     if isinstance(delta, torch.Tensor):
-        _check_tensor("delta", delta)
         named.append(("delta", delta))
-    elif isinstance(delta, bool) or not isinstance(delta, (int, float)):
-        raise TypeError(f"delta: expected a Python number or a floating tensor, got {type(delta).__name__}")
-    for other_name, t in named[1:]:
-        _check_tensor(other_name, t)
+    elif not is_number(delta):
+        raise TypeError(f"delta: expected a number or a floating tensor, got {type(delta).__name__}")
+    for other_name, t in named:
+        check_tensor(other_name, t)
         if t.device != prob.device:
             raise ValueError(f"{other_name}: is on {t.device} but {name} is on {prob.device}; "
                              "put all tensors on one device")
+    check_broadcast(named)
     dtype = prob.dtype
-    for _, t in named[1:]:
+    for _, t in named:
         dtype = torch.promote_types(dtype, t.dtype)
-    prepared = _prepare(div.name, prob.device)
+    meta, coefficients = table_for(div.name, prob)
     if isinstance(delta, torch.Tensor):
-        delta_t, delta_s = delta.to(dtype), 0.05
+        delta_t, delta_s = delta.to(dtype), 0.0
     else:
-        prepared.table.check_delta(float(delta))
-        delta_t, delta_s = None, float(delta)
+        delta_t, delta_s = scalar_delta(delta, meta)
     if max_ratio is None:
         max_ratio = math.inf
-    elif isinstance(max_ratio, bool) or not isinstance(max_ratio, (int, float)) or not max_ratio >= 1:
+    elif not is_number(max_ratio) or not max_ratio >= 1:
         raise ValueError(f"max_ratio: expected None or a number >= 1, got {max_ratio!r}")
-    coefficients = _coefficients(div.name, prob.device)
-    return (prob.to(dtype), p_old is None, delta_t, delta_s, div.compiled_id, coefficients, prepared.grid,
-            float(max_ratio), dtype)
+    return BandArgs(prob.to(dtype), p_old is None, delta_t, delta_s, div.compiled_id, coefficients, meta.grid,
+                    float(max_ratio), dtype)
 
 
 def bounds(p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, max_ratio=None):
@@ -100,9 +205,10 @@ def bounds(p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, max_ratio
 
     Args:
         p_old: old-policy probabilities in [0, 1] (any shape; float32/64, float16, bfloat16).
-        delta: trust-region radius: a Python number within the table's range (default table: [1e-3, 1],
+        delta: trust-region radius: a number within the table's range (default table: [1e-3, 1],
             tv: [1e-3, 1)), or a tensor broadcastable to p_old (per-token radius; entries outside the
-            range give NaN, since checking them would synchronise with the host).
+            range give NaN, since checking them would synchronise with the host; an entry that rounds to
+            a range end in its own dtype is that end).
         divergence: "kl" (KL(π_old‖π_new), the paper's default), "tv", "chi2" or "hellinger".
         log_p_old: old log-probabilities instead of p_old (exactly one of the two); keeps full accuracy for
             p near 1, which float32 p cannot represent closer than 6e-8.
@@ -111,21 +217,21 @@ def bounds(p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, max_ratio
         (lower, upper), broadcast over p_old and delta, in their common dtype. p = 0 gives (0, inf) (or
         max_ratio), p = 1 the p → 1 limits; NaN in gives NaN out. Not differentiable (constants).
     """
-    prob, log_input, d_t, d_s, div_id, coef, grid, cap, _ = prepare_args(p_old, log_p_old, delta, divergence,
-                                                                          max_ratio)
-    return _ops().bounds(prob, d_t, d_s, coef, grid, div_id, log_input, cap)
+    a = prepare_args(p_old, log_p_old, delta, divergence, max_ratio)
+    return _ops().bounds(a.prob, a.delta, a.delta_scalar, a.coefficients, list(a.grid), a.divergence_id,
+                         a.log_input, a.max_ratio)
 
 
 def clip(ratio, p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, max_ratio=None):
-    """`torch.clamp(ratio, *bounds(p_old, delta, divergence, ...))`, fused, with torch.clamp's gradient.
+    """`torch.clamp(ratio, *bounds(p_old, delta, divergence, ...))`, fused.
 
-    The gradient to `ratio` is 1 where lower <= ratio <= upper (ties included, as torch.clamp up to
-    torch 2.13; 2.14's clamp gives 0 or 1/2 at exact ties) and 0 elsewhere; none flows to p_old,
-    log_p_old or delta. Arguments as in `bounds`; `ratio` is broadcast with them and all tensors are
-    promoted to their common floating dtype. No host synchronisation: safe under
+    Gradient (the rule of a scalar-bound `torch.clamp`, as PPO/GRPO trainers clip): 1 where
+    lower <= ratio <= upper, ties included, and 0 elsewhere, including where ratio or a bound is NaN.
+    None flows to p_old, log_p_old or delta. Arguments as in `bounds`; `ratio` is broadcast with them and
+    all tensors are promoted to their common floating dtype. No host synchronisation: safe under
     torch.compile(fullgraph=True) and CUDA graphs.
     """
-    _check_tensor("ratio", ratio)
-    prob, log_input, d_t, d_s, div_id, coef, grid, cap, dtype = prepare_args(
-        p_old, log_p_old, delta, divergence, max_ratio, others=(("ratio", ratio),))
-    return _ops().clip(ratio.to(dtype), prob, d_t, d_s, coef, grid, div_id, log_input, cap)
+    check_tensor("ratio", ratio)
+    a = prepare_args(p_old, log_p_old, delta, divergence, max_ratio, others=(("ratio", ratio),))
+    return _ops().clip(ratio.to(a.dtype), a.prob, a.delta, a.delta_scalar, a.coefficients, list(a.grid),
+                       a.divergence_id, a.log_input, a.max_ratio)

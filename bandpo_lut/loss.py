@@ -77,17 +77,15 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
     div = _div.get(div_name)
     if div.compiled_id is None:
         raise ValueError(f"policy_loss: divergence {divergence!r} has no compiled kernel")
-    prepared = _api._prepare(div.name, lp.device)
-    delta_t, delta_s = None, 0.05
+    meta, coefficients = _api.table_for(div.name, lp)
+    delta_t, delta_s = None, 0.0
     if clip == "band":
         if isinstance(delta, torch.Tensor):
             delta_t = delta.detach().to(dtype).expand(lp.shape)
         else:
-            prepared.table.check_delta(float(delta))
-            delta_s = float(delta)
-    coefficients = _api._coefficients(div.name, lp.device)
+            delta_t, delta_s = _api.scalar_delta(delta, meta)
     row_sum, row_w, counts = _api._ops().policy_loss_fwd(
-        lp, olp, adv, mask, delta_t, delta_s, coefficients, prepared.grid, div.compiled_id, _CLIP_KIND[clip],
+        lp, olp, adv, mask, delta_t, delta_s, coefficients, list(meta.grid), div.compiled_id, _CLIP_KIND[clip],
         float(eps_low or 0.0), float(eps_high or 0.0), math.inf if max_ratio is None else float(max_ratio),
         0.0 if dual_clip is None else float(dual_clip), _MODE[mode])
     loss = _aggregate(row_sum.to(dtype), row_w.to(dtype), agg)

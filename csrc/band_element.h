@@ -81,6 +81,8 @@ BANDPO_HD void closed_form(const BandParams& P, acc_t x, double delta, acc_t& lo
 template <typename acc_t, bool PER_TOKEN>
 BANDPO_HD void band_element(const BandParams& P, const DeltaConsts<acc_t>& c, acc_t x, acc_t delta,
                             acc_t& lo, acc_t& up) {
+  const bool ok = !PER_TOKEN || delta_valid<acc_t>(P.table, delta);
+  if (PER_TOKEN) delta = delta_in_range<acc_t>(P.table, delta);
   if (P.divergence == kKL) {
     if (PER_TOKEN) {
       kl_token_delta<acc_t>(P, x, delta, lo, up);
@@ -90,7 +92,7 @@ BANDPO_HD void band_element(const BandParams& P, const DeltaConsts<acc_t>& c, ac
   } else {
     closed_form<acc_t>(P, x, PER_TOKEN ? static_cast<double>(delta) : P.delta, lo, up);
   }
-  if (PER_TOKEN && !delta_valid<acc_t>(P.table, delta)) {
+  if (!ok) {
     lo = up = acc_t(0) / acc_t(0);
   }
   const acc_t cap = static_cast<acc_t>(P.max_ratio);

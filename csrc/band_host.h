@@ -7,6 +7,7 @@
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Optional.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -21,12 +22,42 @@ inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
 }
 
+// A 0-dim δ tensor on the CPU holds one δ for every element (the form a δ takes when torch.compile made it
+// a symbolic float): it is read on the host, which never synchronises with a device, and takes the
+// scalar-δ path. Any other δ tensor is per element.
+inline bool is_host_scalar_delta(const c10::optional<at::Tensor>& delta) {
+  return delta.has_value() && delta->dim() == 0 && delta->device().is_cpu();
+}
+
+// The δ the kernels get: a per-element tensor, or one number (the scalar argument, or a host 0-dim tensor,
+// which like any δ tensor gives NaN bounds when out of range: then `all_nan`).
+struct DeltaArg {
+  c10::optional<at::Tensor> per_token;
+  double scalar;
+  bool all_nan;
+  bool per_token_mode() const { return per_token.has_value(); }
+};
+
+inline double round_to(at::ScalarType t, double x);
+
+inline DeltaArg resolve_delta(const c10::optional<at::Tensor>& delta, double delta_scalar,
+                              c10::ArrayRef<double> grid) {
+  if (!is_host_scalar_delta(delta)) return {delta, delta_scalar, false};
+  const double d = delta->item<double>();
+  const double lo = round_to(delta->scalar_type(), grid[4]), hi = round_to(delta->scalar_type(), grid[5]);
+  const bool ok = d >= lo && (d < hi || (d == hi && grid[6] != 0.0));
+  return {c10::nullopt, ok ? std::min(std::max(d, grid[4]), grid[5]) : grid[4], !ok};
+}
+
 inline void check_prob_and_delta(const char* op, const at::Tensor& prob, const c10::optional<at::Tensor>& delta,
                                  const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
                                  double max_ratio) {
   TORCH_CHECK(is_supported_float(prob.scalar_type()), op, ": p_old/log_p_old must be float32, float64, float16 or "
               "bfloat16, got ", prob.scalar_type());
-  if (delta.has_value()) {
+  if (is_host_scalar_delta(delta)) {
+    TORCH_CHECK(is_supported_float(delta->scalar_type()), op, ": delta must be a floating tensor, got ",
+                delta->scalar_type());
+  } else if (delta.has_value()) {
     TORCH_CHECK(delta->scalar_type() == prob.scalar_type(), op, ": delta tensor dtype ", delta->scalar_type(),
                 " differs from p_old's ", prob.scalar_type());
     TORCH_CHECK(delta->device() == prob.device(), op, ": delta is on ", delta->device(), " but p_old is on ",
@@ -42,8 +73,20 @@ inline void check_prob_and_delta(const char* op, const at::Tensor& prob, const c
   TORCH_CHECK(max_ratio >= 1.0, op, ": max_ratio must be >= 1, got ", max_ratio);
 }
 
+// x rounded to the storage type `t` of a per-token δ tensor, back in double.
+inline double round_to(at::ScalarType t, double x) {
+  switch (t) {
+    case at::kFloat: return static_cast<double>(static_cast<float>(x));
+    case at::kHalf: return static_cast<double>(static_cast<float>(c10::Half(static_cast<float>(x))));
+    case at::kBFloat16: return static_cast<double>(static_cast<float>(c10::BFloat16(static_cast<float>(x))));
+    default: return x;
+  }
+}
+
+// delta_dtype: the storage type of a per-token δ, whose range ends count as those ends rounded to it.
 inline BandParams make_params(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
-                              bool log_input, double delta, double max_ratio) {
+                              bool log_input, double delta, double max_ratio,
+                              at::ScalarType delta_dtype = at::kDouble) {
   BandParams P{};
   P.table.coef = table.data_ptr<float>();
   P.table.nt = static_cast<int>(table.size(1)) - 2;
@@ -55,6 +98,8 @@ inline BandParams make_params(const at::Tensor& table, c10::ArrayRef<double> gri
   P.table.delta_min = grid[4];
   P.table.delta_max = grid[5];
   P.table.delta_max_inclusive = grid[6] != 0.0;
+  P.table.valid_min = round_to(delta_dtype, grid[4]);
+  P.table.valid_max = round_to(delta_dtype, grid[5]);
   P.divergence = static_cast<int>(divergence);
   P.log_input = log_input;
   P.max_ratio = std::isnan(max_ratio) ? std::numeric_limits<double>::infinity() : max_ratio;
@@ -98,7 +143,8 @@ inline BandIter make_band_iter(const char* op, const at::Tensor* ratio, const at
                 prob.device());
   }
   const at::Tensor none;
-  const auto shape = broadcast_shape(op, {ratio ? *ratio : none, prob, delta.has_value() ? *delta : none});
+  const bool per_token = delta.has_value() && !is_host_scalar_delta(delta);
+  const auto shape = broadcast_shape(op, {ratio ? *ratio : none, prob, per_token ? *delta : none});
   BandIter b;
   auto cfg = at::TensorIteratorConfig();
   if (ratio) {
@@ -110,7 +156,7 @@ inline BandIter make_band_iter(const char* op, const at::Tensor* ratio, const at
     cfg.add_output(b.lo).add_output(b.up);
   }
   cfg.add_const_input(prob);
-  if (delta.has_value()) cfg.add_const_input(*delta);
+  if (per_token) cfg.add_const_input(*delta);
   cfg.check_all_same_dtype(true).resize_outputs(false);
   b.iter = cfg.build();
   return b;

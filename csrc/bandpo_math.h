@@ -24,9 +24,11 @@ struct TableView {
   double t_step;
   double s_min;        // first s node (log δ_min); nodes s_min + j·s_step
   double s_step;
-  double delta_min;    // valid δ range; outside it a per-token δ yields NaN
+  double delta_min;    // the table's δ range
   double delta_max;
   bool delta_max_inclusive;
+  double valid_min;    // the range ends rounded to the storage type of a per-token δ: a δ that rounds to an
+  double valid_max;    // end counts as that end; outside [valid_min, valid_max] a per-token δ yields NaN
 };
 
 // Everything a kernel needs besides the element pointers.
@@ -220,8 +222,13 @@ BANDPO_HD void kl_finish(T p, T omp, T t, T q_tab, T kappa, const DeltaConsts<T>
   T q_tail;
   kl_tail_upper<T>(p, omp, t, c, q_tail);
   q = (t < tmin) ? q_tail : q;
-  const T inv_p = T(1) / p;   // one division serves every quotient below
-  up = (t > tmax) ? inv_p : q * inv_p;
+  // One division serves every quotient below. It is taken of p·2^k, which keeps it finite for subnormal p
+  // (a float32 p < 2.9e-39, where 1/p overflows but q/p does not); scaling by a power of two is exact, so
+  // elsewhere these are the bits of q·(1/p).
+  const T scale = sizeof(T) == 4 ? T(16777216.0) : T(1152921504606846976.0);   // 2^24, 2^60
+  const T inv_ps = T(1) / (p * scale);
+  const T inv_p = inv_ps * scale;
+  up = (t > tmax) ? inv_p : (q * scale) * inv_ps;
   T L = -(c.delta * inv_p) * kappa;
   L = (t > tmax) ? kl_tail_lower_log<T>(inv_p, omp, t, c) : L;
   lo = exp_any(L);
@@ -262,8 +269,15 @@ BANDPO_HD T clamp_like_torch(T x, T lo, T up) {
 template <typename T>
 BANDPO_HD bool delta_valid(const TableView& tb, T d) {
   // Bitwise, no conditional on the (loop-invariant) flag: the CPU loops around this must vectorise.
-  const bool hi_ok = (d < T(tb.delta_max)) | ((d == T(tb.delta_max)) & tb.delta_max_inclusive);
-  return (d >= T(tb.delta_min)) & hi_ok;
+  const bool hi_ok = (d < T(tb.valid_max)) | ((d == T(tb.valid_max)) & tb.delta_max_inclusive);
+  return (d >= T(tb.valid_min)) & hi_ok;
+}
+
+// A per-token δ within the range as its dtype rounds it, moved onto the range it stands for.
+template <typename T>
+BANDPO_HD T delta_in_range(const TableView& tb, T d) {
+  const T lo = T(tb.delta_min), hi = T(tb.delta_max);
+  return d < lo ? lo : (d > hi ? hi : d);
 }
 
 }  // namespace bandpo

@@ -13,6 +13,7 @@ namespace bandpo {
 
 struct LossTensors {
   at::Tensor lp, olp, adv, mask, delta;  // mask and delta may be undefined
+  c10::optional<at::Tensor> host_delta;  // a 0-dim CPU δ, read on the host (see is_host_scalar_delta)
 };
 
 inline LossTensors check_loss_inputs(const char* op, const at::Tensor& lp, const at::Tensor& olp, const at::Tensor& adv,
@@ -31,7 +32,9 @@ inline LossTensors check_loss_inputs(const char* op, const at::Tensor& lp, const
                 ": mask must be uint8 (a bool mask's bytes) or log_prob's dtype, got ", mask->scalar_type());
     T.mask = mask->contiguous();
   }
-  if (delta.has_value()) {
+  if (is_host_scalar_delta(delta)) {
+    T.host_delta = delta;
+  } else if (delta.has_value()) {
     TORCH_CHECK(delta->sizes() == lp.sizes() && delta->scalar_type() == lp.scalar_type() &&
                     delta->device() == lp.device(),
                 op, ": a delta tensor must match log_prob's shape, dtype and device");
@@ -49,7 +52,9 @@ inline LossParams make_loss_params(const at::Tensor& table, c10::ArrayRef<double
   check_prob_and_delta("policy_loss", T.olp, T.delta.defined() ? c10::optional<at::Tensor>(T.delta) : c10::nullopt,
                        table, grid, divergence, max_ratio);
   LossParams L{};
-  L.band = make_params(table, grid, divergence, /*log_input=*/true, delta_scalar, max_ratio);
+  const DeltaArg d = resolve_delta(T.host_delta, delta_scalar, grid);
+  TORCH_CHECK(!d.all_nan, "policy_loss: delta is outside the table's range");
+  L.band = make_params(table, grid, divergence, /*log_input=*/true, d.scalar, max_ratio, T.lp.scalar_type());
   L.clip_kind = static_cast<int>(clip_kind);
   L.eps_low = eps_low;
   L.eps_high = eps_high;

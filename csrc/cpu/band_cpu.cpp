@@ -68,21 +68,21 @@ __attribute__((always_inline)) inline void store(const FastRun& a, int64_t i, fl
   }
 }
 
-// Pass 3 of a per-token-δ block; TAILS: whether the block has elements beyond the grid in t.
+// Pass 3 of a per-token-δ block; TAILS: whether the block has elements beyond the grid in t. dd: the block's
+// δ moved onto the table's range, ok: whether the δ given was in range.
 template <bool CLIP, bool TAILS>
 __attribute__((always_inline)) inline void kl_finish_token_block(const FastRun& a, int64_t start, int m,
                                                                 const float* p, const float* omp, const float* t,
-                                                                const float* q, const float* kap, float cap) {
+                                                                const float* q, const float* kap, const float* dd,
+                                                                const int* ok, float cap) {
   const TableView tb = a.P->table;
-  const float* __restrict dl = a.delta;
   const float nan = bits_to_float(0x7fc00000);
   for (int i = 0; i < m; ++i) {
-    const float d = dl[start + i];
+    const float d = dd[i];
     const DeltaConsts<float> c = TAILS ? delta_consts<float>(d) : DeltaConsts<float>{d, 1.0f, 0.0f, 0.0f};
     float l, u;
     kl_finish<float>(p[i], omp[i], t[i], q[i], kap[i], c, tb, l, u);
-    const bool ok = delta_valid<float>(tb, d);
-    store<CLIP>(a, start + i, ok ? l : nan, ok ? u : nan, cap);
+    store<CLIP>(a, start + i, ok[i] ? l : nan, ok[i] ? u : nan, cap);
   }
 }
 
@@ -96,14 +96,19 @@ __attribute__((always_inline)) inline void kl_f32_run(const FastRun& a) {
   const float* __restrict x = a.x;
   const float* __restrict dl = a.delta;
   alignas(64) float p[kBlock], omp[kBlock], t[kBlock], q[kBlock], kap[kBlock], ut[kBlock], us[kBlock];
-  alignas(64) int it[kBlock], js[kBlock];
+  alignas(64) float dd[kBlock];
+  alignas(64) int it[kBlock], js[kBlock], ok[kBlock];
   for (int64_t start = 0; start < a.n; start += kBlock) {
     const int m = static_cast<int>(a.n - start < kBlock ? a.n - start : kBlock);
     for (int i = 0; i < m; ++i) prob_terms_t<LOG, float>(x[start + i], p[i], omp[i], t[i]);
     // Cell indices in a vector pass of their own: fused with the gathers below, the loop runs 10x slower.
     for (int i = 0; i < m; ++i) it[i] = axis_cell<float>(t[i], tb.t_min, tb.t_step, tb.nt, ut[i]);
     if (TOKEN) {
-      for (int i = 0; i < m; ++i) js[i] = axis_cell<float>(log_f32(dl[start + i]), tb.s_min, tb.s_step, tb.ns, us[i]);
+      for (int i = 0; i < m; ++i) {
+        ok[i] = delta_valid<float>(tb, dl[start + i]);
+        dd[i] = delta_in_range<float>(tb, dl[start + i]);
+      }
+      for (int i = 0; i < m; ++i) js[i] = axis_cell<float>(log_f32(dd[i]), tb.s_min, tb.s_step, tb.ns, us[i]);
       patches(tb, it, ut, js, us, q, kap, m);
     } else {
       cell_cubics(cells, it, ut, q, kap, m);
@@ -115,9 +120,9 @@ __attribute__((always_inline)) inline void kl_f32_run(const FastRun& a) {
       int any_tail = 0;
       for (int i = 0; i < m; ++i) any_tail |= int(!((t[i] >= tmin) & (t[i] <= tmax)));
       if (any_tail) {
-        kl_finish_token_block<CLIP, true>(a, start, m, p, omp, t, q, kap, cap);
+        kl_finish_token_block<CLIP, true>(a, start, m, p, omp, t, q, kap, dd, ok, cap);
       } else {
-        kl_finish_token_block<CLIP, false>(a, start, m, p, omp, t, q, kap, cap);
+        kl_finish_token_block<CLIP, false>(a, start, m, p, omp, t, q, kap, dd, ok, cap);
       }
     } else {
       for (int i = 0; i < m; ++i) {
@@ -140,10 +145,10 @@ __attribute__((always_inline)) inline void closed_f32_run(const FastRun& a) {
   for (int64_t i = 0; i < a.n; ++i) {
     double p, omp, t, l, u;
     prob_terms_t<LOG, double>(static_cast<double>(x[i]), p, omp, t);
-    const double d = TOKEN ? static_cast<double>(dl[i]) : d0;
+    const double d = TOKEN ? delta_in_range<double>(tb, static_cast<double>(dl[i])) : d0;
     closed_form_bounds(DIV, p, omp, d, l, u);
     if (TOKEN) {
-      const bool ok = delta_valid<double>(tb, d);
+      const bool ok = delta_valid<float>(tb, dl[i]);
       l = ok ? l : std::numeric_limits<double>::quiet_NaN();
       u = ok ? u : std::numeric_limits<double>::quiet_NaN();
     }
@@ -180,29 +185,71 @@ BANDPO_CPU_CLONES void f32_contiguous(const FastRun& a, bool log_input, bool cli
 
 namespace {
 
-// ---- generic strided loops -----------------------------------------------------------------------------
+// ---- the element loops over the iterator ----------------------------------------------------------------
 // Operand order in the iterator: outputs first, then [ratio,] prob[, delta].
+//
+// float32, float16 and bfloat16 all run the vectorised float32 loop: contiguous float32 runs in place, every
+// other run (strided, broadcast, transposed, or a 16-bit dtype) is gathered block by block into float32
+// buffers, run through the same loop and scattered back. So a token gets the same bits whatever the layout
+// of its batch (and a 16-bit result is the float32 one, rounded). float64 runs the scalar element code.
+template <typename scalar_t>
+BANDPO_INLINE float load_as_float(const char* base, int64_t stride, int64_t i) {
+  return static_cast<float>(*reinterpret_cast<const scalar_t*>(base + i * stride));
+}
+
+template <typename scalar_t>
+BANDPO_INLINE void store_from_float(char* base, int64_t stride, int64_t i, float v) {
+  *reinterpret_cast<scalar_t*>(base + i * stride) = static_cast<scalar_t>(v);
+}
+
 template <typename scalar_t, bool CLIP>
-void run_generic(at::TensorIterator& iter, const BandParams& P, bool per_token) {
+void run_f32_blocks(char** data, const int64_t* strides, int64_t n, const BandParams& P,
+                    const DeltaConsts<float>& c, bool per_token) {
+  const int in0 = CLIP ? 1 : 2;            // first input operand
+  const int ip = CLIP ? in0 + 1 : in0;     // the probability
+  alignas(64) float x[kBlock], d[kBlock], r[kBlock], o0[kBlock], o1[kBlock];
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int m = static_cast<int>(n - start < kBlock ? n - start : kBlock);
+    for (int i = 0; i < m; ++i) x[i] = load_as_float<scalar_t>(data[ip], strides[ip], start + i);
+    if (per_token) {
+      for (int i = 0; i < m; ++i) d[i] = load_as_float<scalar_t>(data[ip + 1], strides[ip + 1], start + i);
+    }
+    if (CLIP) {
+      for (int i = 0; i < m; ++i) r[i] = load_as_float<scalar_t>(data[in0], strides[in0], start + i);
+    }
+    const FastRun a{&P, &c, x, per_token ? d : nullptr, CLIP ? r : nullptr, CLIP ? nullptr : o0,
+                    CLIP ? nullptr : o1, CLIP ? o0 : nullptr, m};
+    f32_contiguous(a, P.log_input, CLIP, per_token);
+    for (int i = 0; i < m; ++i) store_from_float<scalar_t>(data[0], strides[0], start + i, o0[i]);
+    if (!CLIP) {
+      for (int i = 0; i < m; ++i) store_from_float<scalar_t>(data[1], strides[1], start + i, o1[i]);
+    }
+  }
+}
+
+template <typename scalar_t, bool CLIP>
+void run_band(at::TensorIterator& iter, const BandParams& P, bool per_token) {
   using acc_t = at::opmath_type<scalar_t>;
   const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(P.delta));
   const int n_out = CLIP ? 1 : 2;
   iter.for_each([&](char** data, const int64_t* strides, int64_t n) {
     const int in0 = n_out;  // first input operand
     const int ip = CLIP ? in0 + 1 : in0;
-    bool contiguous = true;
-    for (int k = 0; k < iter.ntensors(); ++k) contiguous = contiguous && strides[k] == sizeof(scalar_t);
-    if constexpr (std::is_same<scalar_t, float>::value) {
+    if constexpr (std::is_same<acc_t, float>::value) {
+      bool contiguous = std::is_same<scalar_t, float>::value;
+      for (int k = 0; k < iter.ntensors(); ++k) contiguous = contiguous && strides[k] == sizeof(scalar_t);
       if (contiguous) {
-        FastRun a{&P, &c, reinterpret_cast<const float*>(data[ip]),
-                  per_token ? reinterpret_cast<const float*>(data[ip + 1]) : nullptr,
-                  CLIP ? reinterpret_cast<const float*>(data[in0]) : nullptr,
-                  CLIP ? nullptr : reinterpret_cast<float*>(data[0]),
-                  CLIP ? nullptr : reinterpret_cast<float*>(data[1]),
-                  CLIP ? reinterpret_cast<float*>(data[0]) : nullptr, n};
+        const FastRun a{&P, &c, reinterpret_cast<const float*>(data[ip]),
+                        per_token ? reinterpret_cast<const float*>(data[ip + 1]) : nullptr,
+                        CLIP ? reinterpret_cast<const float*>(data[in0]) : nullptr,
+                        CLIP ? nullptr : reinterpret_cast<float*>(data[0]),
+                        CLIP ? nullptr : reinterpret_cast<float*>(data[1]),
+                        CLIP ? reinterpret_cast<float*>(data[0]) : nullptr, n};
         f32_contiguous(a, P.log_input, CLIP, per_token);
-        return;
+      } else {
+        run_f32_blocks<scalar_t, CLIP>(data, strides, n, P, c, per_token);
       }
+      return;
     }
     for (int64_t i = 0; i < n; ++i) {
       const acc_t x = static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(data[ip] + i * strides[ip]));
@@ -228,10 +275,10 @@ void run_generic(at::TensorIterator& iter, const BandParams& P, bool per_token) 
 }
 
 BandParams params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
-                             bool log_input, double delta, double max_ratio, bool per_token,
+                             bool log_input, const DeltaArg& delta, double max_ratio, at::ScalarType dtype,
                              std::shared_ptr<const CellPolys>& keep) {
-  BandParams P = make_params(table, grid, divergence, log_input, delta, max_ratio);
-  if (divergence == kKL && !per_token) {
+  BandParams P = make_params(table, grid, divergence, log_input, delta.scalar, max_ratio, dtype);
+  if (divergence == kKL && !delta.per_token_mode()) {
     keep = cell_polys(P);
     P.cell_f = keep->f.data();
     P.cell_d = keep->d.data();
@@ -244,11 +291,16 @@ std::tuple<at::Tensor, at::Tensor> bounds_cpu(const at::Tensor& prob, const c10:
                                               c10::ArrayRef<double> grid, int64_t divergence, bool log_input,
                                               double max_ratio) {
   BandIter it = make_band_iter("bounds", nullptr, prob, delta, table, grid, divergence, max_ratio);
-  const bool per_token = delta.has_value();
+  const DeltaArg d = resolve_delta(delta, delta_scalar, grid);
   std::shared_ptr<const CellPolys> keep;
-  const BandParams P = params_with_cells(table, grid, divergence, log_input, delta_scalar, max_ratio, per_token, keep);
+  const BandParams P = params_with_cells(table, grid, divergence, log_input, d, max_ratio, prob.scalar_type(), keep);
+  if (d.all_nan) {
+    it.lo.fill_(std::numeric_limits<double>::quiet_NaN());
+    it.up.fill_(std::numeric_limits<double>::quiet_NaN());
+    return {it.lo, it.up};
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::bounds", [&] {
-    run_generic<scalar_t, false>(it.iter, P, per_token);
+    run_band<scalar_t, false>(it.iter, P, d.per_token_mode());
   });
   return {it.lo, it.up};
 }
@@ -257,11 +309,16 @@ at::Tensor clip_cpu(const at::Tensor& ratio, const at::Tensor& prob, const c10::
                     double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
                     bool log_input, double max_ratio) {
   BandIter it = make_band_iter("clip", &ratio, prob, delta, table, grid, divergence, max_ratio);
-  const bool per_token = delta.has_value();
+  const DeltaArg d = resolve_delta(delta, delta_scalar, grid);
   std::shared_ptr<const CellPolys> keep;
-  const BandParams P = params_with_cells(table, grid, divergence, log_input, delta_scalar, max_ratio, per_token, keep);
+  const BandParams P = params_with_cells(table, grid, divergence, log_input, d, max_ratio, prob.scalar_type(), keep);
+  if (d.all_nan) {
+    // clamp with NaN bounds is NaN (torch.clamp's rule), whatever the ratio
+    it.out.fill_(std::numeric_limits<double>::quiet_NaN());
+    return it.out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::clip", [&] {
-    run_generic<scalar_t, true>(it.iter, P, per_token);
+    run_band<scalar_t, true>(it.iter, P, d.per_token_mode());
   });
   return it.out;
 }

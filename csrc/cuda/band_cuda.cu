@@ -138,9 +138,14 @@ std::tuple<at::Tensor, at::Tensor> bounds_cuda(const at::Tensor& prob, const c10
                                                double max_ratio) {
   const c10::cuda::CUDAGuard guard(prob.device());
   BandIter it = make_band_iter("bounds", nullptr, prob, delta, table, grid, divergence, max_ratio);
-  const bool per_token = delta.has_value();
-  const BandParams P = make_params(table, grid, divergence, log_input, delta_scalar, max_ratio);
-  launch<false>(it.iter, P, per_token, prob.scalar_type(), prob.get_device());
+  const DeltaArg d = resolve_delta(delta, delta_scalar, grid);
+  if (d.all_nan) {
+    it.lo.fill_(std::numeric_limits<double>::quiet_NaN());
+    it.up.fill_(std::numeric_limits<double>::quiet_NaN());
+    return {it.lo, it.up};
+  }
+  const BandParams P = make_params(table, grid, divergence, log_input, d.scalar, max_ratio, prob.scalar_type());
+  launch<false>(it.iter, P, d.per_token_mode(), prob.scalar_type(), prob.get_device());
   return {it.lo, it.up};
 }
 
@@ -149,9 +154,13 @@ at::Tensor clip_cuda(const at::Tensor& ratio, const at::Tensor& prob, const c10:
                      bool log_input, double max_ratio) {
   const c10::cuda::CUDAGuard guard(prob.device());
   BandIter it = make_band_iter("clip", &ratio, prob, delta, table, grid, divergence, max_ratio);
-  const bool per_token = delta.has_value();
-  const BandParams P = make_params(table, grid, divergence, log_input, delta_scalar, max_ratio);
-  launch<true>(it.iter, P, per_token, prob.scalar_type(), prob.get_device());
+  const DeltaArg d = resolve_delta(delta, delta_scalar, grid);
+  if (d.all_nan) {
+    it.out.fill_(std::numeric_limits<double>::quiet_NaN());
+    return it.out;
+  }
+  const BandParams P = make_params(table, grid, divergence, log_input, d.scalar, max_ratio, prob.scalar_type());
+  launch<true>(it.iter, P, d.per_token_mode(), prob.scalar_type(), prob.get_device());
   return it.out;
 }
 

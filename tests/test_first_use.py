@@ -1,0 +1,30 @@
+"""The first use of the package in a fresh process may be torch.compile (default, fullgraph, dynamic, with
+backward), torch.export, a FakeTensorMode or a δ schedule under fullgraph; each must work, and eager use
+afterwards in the same process must be unaffected. One subprocess per scenario (tests/first_use_scenarios.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("first_use_scenarios.py")
+SCENARIOS = ["compile_default", "compile_fullgraph", "compile_dynamic_loss", "compile_dynamic_clip", "export",
+             "fake_mode", "delta_schedule", "readme_loss_dynamic"]
+
+
+def test_every_scenario_is_listed():
+    text = SCRIPT.read_text()
+    assert sorted(SCENARIOS) == sorted(line.split("def scenario_")[1].split("(")[0]
+                                       for line in text.splitlines() if line.startswith("def scenario_"))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_first_use_in_a_fresh_process(scenario, tmp_path):
+    # run from a neutral folder, so that the installed package (with its compiled extension) is imported
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), PYTHONHASHSEED="0")
+    proc = subprocess.run([sys.executable, str(SCRIPT), scenario], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and f"ok {scenario}" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
