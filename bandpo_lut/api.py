@@ -49,7 +49,7 @@ def check_delta(delta, meta: TableMeta) -> None:
     hi_ok = delta <= meta.delta_max if meta.delta_max_inclusive else delta < meta.delta_max
     if not (meta.delta_min <= delta and hi_ok):   # NaN is refused too
         close = "]" if meta.delta_max_inclusive else ")"
-        raise ValueError(f"delta: {delta!r} is outside the {meta.divergence!r} table's range "
+        raise ValueError(f"delta: {float(delta)!r} is outside the {meta.divergence!r} table's range "
                          f"[{meta.delta_min:g}, {meta.delta_max:g}{close} ({meta.source})")
 
 
@@ -127,14 +127,16 @@ def is_number(x) -> bool:
 
 
 def scalar_delta(delta, meta: TableMeta) -> tuple[torch.Tensor | None, float]:
-    """A number δ as the ops take it: checked against the table's range, then either a float (the fast
-    path, specialised by torch.compile) or, when torch.compile made it symbolic (a δ schedule), a 0-dim
-    float64 CPU tensor that the kernels read on the host, so one graph serves every value."""
-    if not isinstance(delta, (torch.SymFloat, torch.SymInt)):
-        delta = float(delta)
-    check_delta(delta, meta)
-    if isinstance(delta, (torch.SymFloat, torch.SymInt)):
+    """A number δ as the ops take it, checked against the table's range. Eager: a float (the op's
+    scalar argument). Under torch.compile: a 0-dim float64 CPU tensor, which the kernels read on the host,
+    because a float argument of a custom op is specialised (one graph per value) while a tensor is an input
+    (a δ schedule that Dynamo makes a symbolic float then runs one graph for every value). Both give the
+    same bits."""
+    if torch.compiler.is_compiling():
+        check_delta(delta, meta)     # a symbolic δ gets range guards only, not a guard on its value
         return torch.scalar_tensor(delta, dtype=torch.float64), 0.0
+    delta = float(delta)
+    check_delta(delta, meta)
     return None, delta
 
 

@@ -123,18 +123,48 @@ def names() -> list[str]:
 
 # --- the divergences ---------------------------------------------------------------------------------
 
+def _two_product(a, b):
+    """a·b = hi + lo exactly (Veltkamp–Dekker; in mpmath's precision lo is simply 0)."""
+    hi = a * b
+    split = 134217729.0  # 2^27 + 1
+
+    def halves(x):
+        t = split * x
+        high = t - (t - x)
+        return high, x - high
+
+    ah, al = halves(a)
+    bh, bl = halves(b)
+    return hi, ((ah * bh - hi) + ah * bl + al * bh) + al * bl
+
+
+def _gap(p, d, one_minus_x):
+    """p - δ·x, written (p - δ) + δ·(1 - x): near saturation p is within a factor 2 of δ, so p - δ is exact
+    (Sterbenz) and the product enters exactly: one rounding, no cancellation."""
+    hi, lo = _two_product(d, one_minus_x)
+    return ((p - d) + hi) + lo
+
+
 def _chi2_closed(p, omp, d, m):
+    # q = p ± √(δp(1-p)); the lower root as p·(p - δ(1-p))/(p + w), free of the cancellation of p - w
+    # near saturation (p ≈ δ(1-p)), where the bound is tiny.
     w = m.sqrt(d * p * omp)
-    return p - w, p + w
+    return p * _gap(p, d, p) / (p + w), p + w
+
+
+def _tv_closed(p, omp, d, m):
+    return p - d, p + d
 
 
 def _hellinger_closed(p, omp, d, m):
     # Bhattacharyya coefficient √(pq) + √((1-p)(1-q)) = 1 - δ/2 = cos α; with √p = cos θ the roots are
     # √q = cos(θ ∓ α) = √p·cos α ± √(1-p)·sin α.
+    # The lower root as ((p - sin²α)/(a + b))², since a² - b² = p - sin²α: free of the cancellation of
+    # a - b near saturation (p ≈ sin²α), where the bound is tiny.
     c = 1 - d / 2
-    s = m.sqrt(d * (1 - d / 4))
-    a, b = m.sqrt(p) * c, m.sqrt(omp) * s
-    return (a - b) ** 2, (a + b) ** 2
+    s2 = d * (1 - d / 4)
+    a, b = m.sqrt(p) * c, m.sqrt(omp * s2)
+    return (_gap(p, d, d / 4) / (a + b)) ** 2, (a + b) ** 2
 
 
 KL = register(Divergence(
@@ -153,7 +183,7 @@ TV = register(Divergence(
     f=lambda u, m: m.abs(u - 1) / 2,
     df=lambda u, m: m.where(u > 1, 0.5, -0.5),
     continuation="f", lower_value="q", polish_upper=2, polish_lower=2,
-    closed_form=lambda p, omp, d, m: (p - d, p + d),
+    closed_form=_tv_closed,
     upper_q_at_p0=lambda d, m: d,
     lower_r_at_p1=lambda d, m: 1 - d,
 ))

@@ -238,6 +238,15 @@ BANDPO_HD void kl_finish(T p, T omp, T t, T q_tab, T kappa, const DeltaConsts<T>
 // ---- closed forms (double) ---------------------------------------------------------------------------
 // Saturation is decided by the exact tests p·f(1/p) + (1-p)·f(0) ≤ δ and p·f(0) + (1-p)·f(1/(1-p)) ≤ δ,
 // written out per divergence; the lower roots are written without cancellation where possible.
+// Near saturation the lower bounds are tiny and rest on a difference of nearly equal numbers: p - δ·x with
+// p within a factor 2 of δ. Written as (p - δ) + δ·(1 - x), the first difference is exact (Sterbenz) and the
+// product enters exactly (its rounding error recovered by an FMA), so the gap has one rounding.
+BANDPO_HD double gap_p_minus_delta_times(double p, double delta, double one_minus_x) {
+  const double prod = delta * one_minus_x;
+  const double err = fma(delta, one_minus_x, -prod);   // delta·(1-x) = prod + err exactly
+  return ((p - delta) + prod) + err;
+}
+
 BANDPO_HD void closed_form_bounds(int div, double p, double omp, double delta, double& lo, double& up) {
   if (div == kTV) {                         // r = 1 ± δ/p
     up = (omp <= delta) ? 1.0 / p : 1.0 + delta / p;
@@ -245,12 +254,16 @@ BANDPO_HD void closed_form_bounds(int div, double p, double omp, double delta, d
   } else if (div == kChi2) {                // r = 1 ± sqrt(δ(1-p)/p)
     const double w = sqrt(delta * omp / p);
     up = (omp <= delta * p) ? 1.0 / p : 1.0 + w;
-    lo = (p <= delta * omp) ? 0.0 : (p - delta * omp) / (p * (1.0 + w));
+    const double gap = gap_p_minus_delta_times(p, delta, p);   // p - δ(1-p)
+    lo = (gap <= 0.0) ? 0.0 : gap / (p * (1.0 + w));
   } else {                                  // hellinger: √q = √p·cos α ± √(1-p)·sin α, cos α = 1 - δ/2
-    const double ca = 1.0 - 0.5 * delta, sa = sqrt(delta * (1.0 - 0.25 * delta));
-    const double a = sqrt(p) * ca, b = sqrt(omp) * sa;
+    // a - b is written as (p - sin²α)/(a + b) (a² - b² = p - sin²α): no cancellation near saturation.
+    const double ca = 1.0 - 0.5 * delta, s2 = delta * (1.0 - 0.25 * delta);
+    const double a = sqrt(p) * ca, b = sqrt(omp * s2);
+    const double gap = gap_p_minus_delta_times(p, delta, 0.25 * delta);   // p - sin²α = p - δ(1 - δ/4)
+    const double a_minus_b = gap / (a + b);
     up = (sqrt(p) >= ca) ? 1.0 / p : (a + b) * (a + b) / p;
-    lo = (a <= b) ? 0.0 : (a - b) * (a - b) / p;
+    lo = (gap <= 0.0) ? 0.0 : a_minus_b * a_minus_b / p;
   }
   if (omp == 0.0) up = 1.0;                 // p = 1 exactly
   if (p == 0.0) lo = 0.0;

@@ -21,10 +21,17 @@ def test_every_scenario_is_listed():
                                        for line in text.splitlines() if line.startswith("def scenario_"))
 
 
+@pytest.fixture(scope="module")
+def inductor_cache(tmp_path_factory):
+    # Inductor's compiled kernels may be shared between the processes (it saves minutes on 2 cores); what is
+    # tested, the package's state at its first use, starts fresh in every process regardless.
+    return tmp_path_factory.mktemp("inductor")
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_first_use_in_a_fresh_process(scenario, tmp_path):
+def test_first_use_in_a_fresh_process(scenario, tmp_path, inductor_cache):
     # run from a neutral folder, so that the installed package (with its compiled extension) is imported
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), PYTHONHASHSEED="0")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor_cache), PYTHONHASHSEED="0")
     proc = subprocess.run([sys.executable, str(SCRIPT), scenario], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and f"ok {scenario}" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -166,6 +166,10 @@ def bounds(p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, table=Non
     q_lo = torch.where(big, q_tail, q_lo)
     if pol_lo:
         q_lo = torch.where(big, q_lo, _newton_q(div, ps, omps, q_lo, d, pol_lo, zero, ps))
+    if div.closed_form is not None:
+        # Near saturation the lower bound is tiny and a Newton step in q (absolute precision) loses its
+        # relative accuracy: below r = 1e-2 the closed form, written without cancellation, is used.
+        q_lo = torch.where(q_lo < 1e-2 * ps, div.closed_form(ps, omps, d, m)[0], q_lo)
     q_lo = torch.clamp(q_lo, min=zero, max=ps)
     if div.lower_value == "kappa":
         # κ keeps relative precision of tiny bounds, which q = p·r (underflowing) would lose.
