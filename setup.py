@@ -401,7 +401,9 @@ def main() -> None:
     # (csrc/cpu/band_cpu.h); 512 is what the clone is for. x86 only; code for other ISAs is unaffected.
     # -fopenmp: at::parallel_for is inlined from torch's headers into our code, and parallelises only
     # when the extension itself is compiled with OpenMP (torch's CPU builds use the same libgomp).
-    cxx_flags = ["-O3", "-fno-trapping-math"]
+    # -Werror=switch: a `switch` over an enum (csrc/divergence.h) that misses an enumerator does not compile,
+    # so a new divergence cannot fall through to another one's math.
+    cxx_flags = ["-O3", "-fno-trapping-math", "-Werror=switch"]
     if platform.machine().lower() in ("x86_64", "amd64"):
         cxx_flags.append("-mprefer-vector-width=512")  # an x86 option; other compilers' targets refuse it
     link_flags = []

@@ -69,7 +69,8 @@ inline void check_prob_and_delta(const char* op, const at::Tensor& prob, const c
   TORCH_CHECK(table.device() == prob.device(), op, ": table is on ", table.device(), " but p_old is on ",
               prob.device());
   TORCH_CHECK(grid.size() == kGridLen, op, ": grid must have ", kGridLen, " entries");
-  TORCH_CHECK(divergence >= kKL && divergence <= kHellinger, op, ": unknown divergence id ", divergence);
+  TORCH_CHECK(divergence >= 0 && divergence < kNumDivergences, op, ": unknown divergence id ", divergence,
+              " (compiled: 0..", kNumDivergences - 1, ", csrc/divergence.h)");
   TORCH_CHECK(max_ratio >= 1.0, op, ": max_ratio must be >= 1, got ", max_ratio);
 }
 

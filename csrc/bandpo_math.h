@@ -9,11 +9,10 @@
 
 #include <cstdint>
 
+#include "divergence.h"
 #include "fast_math.h"
 
 namespace bandpo {
-
-enum Divergence : int { kKL = 0, kTV = 1, kChi2 = 2, kHellinger = 3 };
 
 // The table as the kernels see it. Plain data: pointers and sizes only, no at::Tensor.
 struct TableView {
@@ -248,22 +247,32 @@ BANDPO_HD double gap_p_minus_delta_times(double p, double delta, double one_minu
 }
 
 BANDPO_HD void closed_form_bounds(int div, double p, double omp, double delta, double& lo, double& up) {
-  if (div == kTV) {                         // r = 1 ± δ/p
-    up = (omp <= delta) ? 1.0 / p : 1.0 + delta / p;
-    lo = (p <= delta) ? 0.0 : (p - delta) / p;
-  } else if (div == kChi2) {                // r = 1 ± sqrt(δ(1-p)/p)
-    const double w = sqrt(delta * omp / p);
-    up = (omp <= delta * p) ? 1.0 / p : 1.0 + w;
-    const double gap = gap_p_minus_delta_times(p, delta, p);   // p - δ(1-p)
-    lo = (gap <= 0.0) ? 0.0 : gap / (p * (1.0 + w));
-  } else {                                  // hellinger: √q = √p·cos α ± √(1-p)·sin α, cos α = 1 - δ/2
-    // a - b is written as (p - sin²α)/(a + b) (a² - b² = p - sin²α): no cancellation near saturation.
-    const double ca = 1.0 - 0.5 * delta, s2 = delta * (1.0 - 0.25 * delta);
-    const double a = sqrt(p) * ca, b = sqrt(omp * s2);
-    const double gap = gap_p_minus_delta_times(p, delta, 0.25 * delta);   // p - sin²α = p - δ(1 - δ/4)
-    const double a_minus_b = gap / (a + b);
-    up = (sqrt(p) >= ca) ? 1.0 / p : (a + b) * (a + b) / p;
-    lo = (gap <= 0.0) ? 0.0 : a_minus_b * a_minus_b / p;
+  switch (static_cast<Divergence>(div)) {
+    case kTV: {                               // r = 1 ± δ/p
+      up = (omp <= delta) ? 1.0 / p : 1.0 + delta / p;
+      lo = (p <= delta) ? 0.0 : (p - delta) / p;
+      break;
+    }
+    case kChi2: {                             // r = 1 ± sqrt(δ(1-p)/p)
+      const double w = sqrt(delta * omp / p);
+      const double gap = gap_p_minus_delta_times(p, delta, p);   // p - δ(1-p)
+      up = (omp <= delta * p) ? 1.0 / p : 1.0 + w;
+      lo = (gap <= 0.0) ? 0.0 : gap / (p * (1.0 + w));
+      break;
+    }
+    case kHellinger: {                        // √q = √p·cos α ± √(1-p)·sin α, cos α = 1 - δ/2
+      // a - b is written as (p - sin²α)/(a + b) (a² - b² = p - sin²α): no cancellation near saturation.
+      const double ca = 1.0 - 0.5 * delta, s2 = delta * (1.0 - 0.25 * delta);
+      const double a = sqrt(p) * ca, b = sqrt(omp * s2);
+      const double gap = gap_p_minus_delta_times(p, delta, 0.25 * delta);   // p - sin²α = p - δ(1 - δ/4)
+      const double a_minus_b = gap / (a + b);
+      up = (sqrt(p) >= ca) ? 1.0 / p : (a + b) * (a + b) / p;
+      lo = (gap <= 0.0) ? 0.0 : a_minus_b * a_minus_b / p;
+      break;
+    }
+    case kKL:                                 // no closed form (read from the table): never called for it
+      lo = up = 0.0 / 0.0;
+      return;
   }
   if (omp == 0.0) up = 1.0;                 // p = 1 exactly
   if (p == 0.0) lo = 0.0;

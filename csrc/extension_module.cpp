@@ -4,10 +4,27 @@
 // TORCH_LIBRARY / TORCH_LIBRARY_IMPL in the other translation units (csrc/ops.cpp and the
 // backends): that is how the ops reach torch.ops.bandpo_lut. The module itself is empty, but for
 // one string, `build_info_json` (csrc/build_info.h), so that Python can ask the library itself what
-// it was built with. Import torch before this module: the library links against libtorch.
+// it was built with, and `divergences` ({name: id} of csrc/divergence.h), so that a test can hold Python's
+// registry to the compiled list. Import torch before this module: the library links against libtorch.
 #include <Python.h>
 
 #include "build_info.h"
+#include "divergence.h"
+
+static int add_divergences(PyObject* module) {
+  PyObject* ids = PyDict_New();
+  if (ids == nullptr) return -1;
+  for (const auto& d : bandpo::kDivergences) {
+    PyObject* value = PyLong_FromLong(d.id);
+    if (value == nullptr || PyDict_SetItemString(ids, d.name, value) < 0) {
+      Py_XDECREF(value);
+      Py_DECREF(ids);
+      return -1;
+    }
+    Py_DECREF(value);
+  }
+  return PyModule_AddObject(module, "divergences", ids);  // steals the reference on success
+}
 
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {
@@ -21,7 +38,8 @@ PyMODINIT_FUNC PyInit__C(void) {
   if (module == nullptr) {
     return nullptr;
   }
-  if (PyModule_AddStringConstant(module, "build_info_json", bandpo_build_info_json()) < 0) {
+  if (PyModule_AddStringConstant(module, "build_info_json", bandpo_build_info_json()) < 0 ||
+      add_divergences(module) < 0) {
     Py_DECREF(module);
     return nullptr;
   }

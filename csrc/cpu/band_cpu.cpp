@@ -158,11 +158,11 @@ __attribute__((always_inline)) inline void closed_f32_run(const FastRun& a) {
 
 template <bool LOG, bool CLIP, bool TOKEN>
 __attribute__((always_inline)) inline void f32_run_div(const FastRun& a) {
-  switch (a.P->divergence) {
+  switch (static_cast<Divergence>(a.P->divergence)) {   // exhaustive (-Werror=switch); ids checked on the host
     case kKL: kl_f32_run<LOG, CLIP, TOKEN>(a); break;
     case kTV: closed_f32_run<kTV, LOG, CLIP, TOKEN>(a); break;
     case kChi2: closed_f32_run<kChi2, LOG, CLIP, TOKEN>(a); break;
-    default: closed_f32_run<kHellinger, LOG, CLIP, TOKEN>(a); break;
+    case kHellinger: closed_f32_run<kHellinger, LOG, CLIP, TOKEN>(a); break;
   }
 }
 
