@@ -18,6 +18,15 @@ def _shape(*tensors):
     return torch.broadcast_shapes(*(t.shape for t in tensors if t is not None))
 
 
+def n_inputs(op_name: str) -> int:
+    """How many arguments an op's schema has: the length of its backward's gradient tuple."""
+    return len(getattr(ops, op_name).default._schema.arguments)
+
+
+def no_grads(op_name: str) -> tuple:
+    return (None,) * n_inputs(op_name)
+
+
 @torch.library.register_fake("bandpo_lut::bounds")
 def _bounds_fake(prob, delta, delta_scalar, table, grid, divergence, log_input, max_ratio):
     shape = _shape(prob, delta)
@@ -41,7 +50,7 @@ def _clip_backward(ctx, grad):
         grad_ratio = ops.clip_backward(grad, ratio, clipped)
         if grad_ratio.shape != ratio.shape:
             grad_ratio = grad_ratio.sum_to_size(ratio.shape)
-    return grad_ratio, None, None, None, None, None, None, None, None
+    return (grad_ratio,) + no_grads("clip")[1:]
 
 
 torch.library.register_autograd("bandpo_lut::clip", _clip_backward, setup_context=_clip_setup_context)
@@ -52,7 +61,7 @@ def _bounds_setup_context(ctx, inputs, output):
 
 
 def _bounds_backward(ctx, grad_lo, grad_up):
-    return None, None, None, None, None, None, None, None
+    return no_grads("bounds")
 
 
 torch.library.register_autograd("bandpo_lut::bounds", _bounds_backward, setup_context=_bounds_setup_context)

@@ -37,7 +37,7 @@ class TableMeta(NamedTuple):
     """What the ops need to know of a table besides its coefficients (plain constants, so that Dynamo can
     take them as the result of `_table_meta`)."""
     divergence: str
-    grid: tuple          # (t_min, t_step, s_min, s_step, delta_min, delta_max, delta_max_inclusive): csrc/band_host.h
+    grid: tuple          # the ops' grid argument, in the order of bandpo_lut._C.grid_fields (csrc/table_grid.h)
     delta_min: float
     delta_max: float
     delta_max_inclusive: bool
@@ -77,8 +77,11 @@ def _table_meta(divergence: str, device: str) -> TableMeta:
     if key not in _COEFFICIENTS:
         with _real_tensor_scope():
             _COEFFICIENTS[key] = _mark_static(table.coefficients(device))
-    grid = (table.t.min, table.t.step, table.s.min, table.s.step, table.delta_min, table.delta_max,
-            1.0 if table.delta_max_inclusive else 0.0)
+    from . import _extension
+    fields = {"t_min": table.t.min, "t_step": table.t.step, "s_min": table.s.min, "s_step": table.s.step,
+              "delta_min": table.delta_min, "delta_max": table.delta_max,
+              "delta_max_inclusive": 1.0 if table.delta_max_inclusive else 0.0}
+    grid = tuple(fields[name] for name in _extension.load().grid_fields)   # the order of csrc/table_grid.h
     return TableMeta(divergence, grid, table.delta_min, table.delta_max, table.delta_max_inclusive, table.source)
 
 

@@ -22,12 +22,12 @@ BANDPO_HD const double* cell_table<double>(const BandParams& P) { return P.cell_
 // Float64 inputs: beyond the grid the asymptotic tail values are refined by the exact fixed points
 // (single precision needs no refinement: the asymptotic forms are already below its rounding).
 template <typename acc_t>
-BANDPO_HD void kl_refine_tails(const TableView& tb, acc_t p, acc_t omp, acc_t t, const DeltaConsts<acc_t>& c,
+BANDPO_HD void kl_refine_tails(const TableView& tb, acc_t p, acc_t one_minus_p, acc_t t, const DeltaConsts<acc_t>& c,
                                acc_t& lo, acc_t& up) {
   if constexpr (std::is_same<acc_t, double>::value) {
     const double tmin = tb.t_min, tmax = tb.t_min + (tb.nt - 1) * tb.t_step;
-    if (t < tmin && p > 0.0) up = kl_refine_upper(p, omp, up * p, c.delta) / p;
-    if (t > tmax && omp > 0.0) lo = kl_refine_lower(p, omp, lo, c.delta);
+    if (t < tmin && p > 0.0) up = kl_refine_upper(p, one_minus_p, up * p, c.delta) / p;
+    if (t > tmax && one_minus_p > 0.0) lo = kl_refine_lower(p, one_minus_p, lo, c.delta);
   }
 }
 
@@ -35,14 +35,14 @@ BANDPO_HD void kl_refine_tails(const TableView& tb, acc_t p, acc_t omp, acc_t t,
 template <bool LOG, typename acc_t>
 BANDPO_HD void kl_scalar_delta_t(const BandParams& P, const acc_t* cells, const DeltaConsts<acc_t>& c, acc_t x,
                                  acc_t& lo, acc_t& up) {
-  acc_t p, omp, t, u;
-  prob_terms_t<LOG, acc_t>(x, p, omp, t);
+  acc_t p, one_minus_p, t, u;
+  prob_terms_t<LOG, acc_t>(x, p, one_minus_p, t);
   const int k = axis_cell<acc_t>(t, P.table.t_min, P.table.t_step, P.table.nt, u);
   const acc_t* a = cells + 8 * k;
   const acc_t q = a[0] + u * (a[1] + u * (a[2] + u * a[3]));
   const acc_t kappa = a[4] + u * (a[5] + u * (a[6] + u * a[7]));
-  kl_finish<acc_t>(p, omp, t, q, kappa, c, P.table, lo, up);
-  kl_refine_tails<acc_t>(P.table, p, omp, t, c, lo, up);
+  kl_finish<acc_t>(p, one_minus_p, t, q, kappa, c, P.table, lo, up);
+  kl_refine_tails<acc_t>(P.table, p, one_minus_p, t, c, lo, up);
 }
 
 template <typename acc_t>
@@ -58,21 +58,21 @@ BANDPO_HD void kl_scalar_delta(const BandParams& P, const acc_t* cells, const De
 // KL with a per-token δ.
 template <typename acc_t>
 BANDPO_HD void kl_token_delta(const BandParams& P, acc_t x, acc_t delta, acc_t& lo, acc_t& up) {
-  acc_t p, omp, t;
-  prob_terms<acc_t>(x, P.log_input, p, omp, t);
+  acc_t p, one_minus_p, t;
+  prob_terms<acc_t>(x, P.log_input, p, one_minus_p, t);
   const DeltaConsts<acc_t> c = delta_consts<acc_t>(delta);
   acc_t q, kappa;
   spline2d<acc_t>(P.table, t, log_any(delta), q, kappa);
-  kl_finish<acc_t>(p, omp, t, q, kappa, c, P.table, lo, up);
-  kl_refine_tails<acc_t>(P.table, p, omp, t, c, lo, up);
+  kl_finish<acc_t>(p, one_minus_p, t, q, kappa, c, P.table, lo, up);
+  kl_refine_tails<acc_t>(P.table, p, one_minus_p, t, c, lo, up);
 }
 
 // Closed forms, always in double: the probability terms are recomputed in double from the input.
 template <typename acc_t>
 BANDPO_HD void closed_form(const BandParams& P, acc_t x, double delta, acc_t& lo, acc_t& up) {
-  double p, omp, t, l, u;
-  prob_terms<double>(static_cast<double>(x), P.log_input, p, omp, t);
-  closed_form_bounds(P.divergence, p, omp, delta, l, u);
+  double p, one_minus_p, t, l, u;
+  prob_terms<double>(static_cast<double>(x), P.log_input, p, one_minus_p, t);
+  closed_form_bounds(P.divergence, p, one_minus_p, delta, l, u);
   lo = static_cast<acc_t>(l);
   up = static_cast<acc_t>(u);
 }

@@ -12,11 +12,10 @@
 #include <limits>
 
 #include "bandpo_math.h"
+#include "table_grid.h"
 
 namespace bandpo {
 
-// grid = [t_min, t_step, s_min, s_step, delta_min, delta_max, delta_max_inclusive], from the table header.
-constexpr int kGridLen = 7;
 
 inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
@@ -44,9 +43,10 @@ inline DeltaArg resolve_delta(const c10::optional<at::Tensor>& delta, double del
                               c10::ArrayRef<double> grid) {
   if (!is_host_scalar_delta(delta)) return {delta, delta_scalar, false};
   const double d = delta->item<double>();
-  const double lo = round_to(delta->scalar_type(), grid[4]), hi = round_to(delta->scalar_type(), grid[5]);
-  const bool ok = d >= lo && (d < hi || (d == hi && grid[6] != 0.0));
-  return {c10::nullopt, ok ? std::min(std::max(d, grid[4]), grid[5]) : grid[4], !ok};
+  const double dmin = grid[kDeltaMin], dmax = grid[kDeltaMax];
+  const double lo = round_to(delta->scalar_type(), dmin), hi = round_to(delta->scalar_type(), dmax);
+  const bool ok = d >= lo && (d < hi || (d == hi && grid[kDeltaMaxInclusive] != 0.0));
+  return {c10::nullopt, ok ? std::min(std::max(d, dmin), dmax) : dmin, !ok};
 }
 
 inline void check_prob_and_delta(const char* op, const at::Tensor& prob, const c10::optional<at::Tensor>& delta,
@@ -92,15 +92,15 @@ inline BandParams make_params(const at::Tensor& table, c10::ArrayRef<double> gri
   P.table.coef = table.data_ptr<float>();
   P.table.nt = static_cast<int>(table.size(1)) - 2;
   P.table.ns = static_cast<int>(table.size(2)) - 2;
-  P.table.t_min = grid[0];
-  P.table.t_step = grid[1];
-  P.table.s_min = grid[2];
-  P.table.s_step = grid[3];
-  P.table.delta_min = grid[4];
-  P.table.delta_max = grid[5];
-  P.table.delta_max_inclusive = grid[6] != 0.0;
-  P.table.valid_min = round_to(delta_dtype, grid[4]);
-  P.table.valid_max = round_to(delta_dtype, grid[5]);
+  P.table.t_min = grid[kTMin];
+  P.table.t_step = grid[kTStep];
+  P.table.s_min = grid[kSMin];
+  P.table.s_step = grid[kSStep];
+  P.table.delta_min = grid[kDeltaMin];
+  P.table.delta_max = grid[kDeltaMax];
+  P.table.delta_max_inclusive = grid[kDeltaMaxInclusive] != 0.0;
+  P.table.valid_min = round_to(delta_dtype, grid[kDeltaMin]);
+  P.table.valid_max = round_to(delta_dtype, grid[kDeltaMax]);
   P.divergence = static_cast<int>(divergence);
   P.log_input = log_input;
   P.max_ratio = std::isnan(max_ratio) ? std::numeric_limits<double>::infinity() : max_ratio;

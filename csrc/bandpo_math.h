@@ -151,29 +151,29 @@ BANDPO_HD void spline2d(const TableView& tb, T t, T s, T& q_up, T& kappa) {
 // p, 1 - p and t = logit(p) from either p or log p. From log p, 1 - p = -expm1(log p) keeps its relative
 // precision for p near 1, where p itself rounds to 1. Out-of-domain inputs become NaN.
 template <bool LOG, typename T>
-BANDPO_HD void prob_terms_t(T x, T& p, T& omp, T& t) {
+BANDPO_HD void prob_terms_t(T x, T& p, T& one_minus_p, T& t) {
   const T nan = T(0) / T(0);
   if (LOG) {
     p = exp_any(x);
-    omp = -expm1_any(x);
-    t = x - log_any(omp);
+    one_minus_p = -expm1_any(x);
+    t = x - log_any(one_minus_p);
     p = (x > T(0)) ? nan : p;
   } else {
     p = x;
-    omp = T(1) - x;
-    t = log_any(x / omp);
+    one_minus_p = T(1) - x;
+    t = log_any(x / one_minus_p);
     p = ((x < T(0)) | (x > T(1))) ? nan : p;
   }
-  omp = (p != p) ? nan : omp;
+  one_minus_p = (p != p) ? nan : one_minus_p;
   t = (p != p) ? nan : t;
 }
 
 template <typename T>
-BANDPO_HD void prob_terms(T x, bool log_input, T& p, T& omp, T& t) {
+BANDPO_HD void prob_terms(T x, bool log_input, T& p, T& one_minus_p, T& t) {
   if (log_input) {
-    prob_terms_t<true, T>(x, p, omp, t);
+    prob_terms_t<true, T>(x, p, one_minus_p, t);
   } else {
-    prob_terms_t<false, T>(x, p, omp, t);
+    prob_terms_t<false, T>(x, p, one_minus_p, t);
   }
 }
 
@@ -186,7 +186,7 @@ BANDPO_HD void prob_terms(T x, bool log_input, T& p, T& omp, T& t) {
 //    log1p(pρ0/ε) = t + log ρ0 + ε/(pρ0) + O(ε²), ε = 1 - p, no extra transcendental is needed.
 //  * upper for t > t_max is 1/p and lower for t < -t_max underflows to 0 (checked by the generator).
 template <typename T>
-BANDPO_HD void kl_tail_upper(T p, T omp, T t, const DeltaConsts<T>& c, T& q) {
+BANDPO_HD void kl_tail_upper(T p, T t, const DeltaConsts<T>& c, T& q) {
   // ε = p·e^{-δ}·(1 + δ + log q - log p); the expansion parameter is p/ρ0 (not p), so log q is taken as
   // log ρ0 + ε₁/ρ0 from a first pass, which leaves an O(p·(ε/ρ0)²) error.
   const T tt = t < T(-1000) ? T(-1000) : t;
@@ -196,30 +196,30 @@ BANDPO_HD void kl_tail_upper(T p, T omp, T t, const DeltaConsts<T>& c, T& q) {
 }
 
 template <typename T>
-BANDPO_HD T kl_tail_lower_log(T inv_p, T omp, T t, const DeltaConsts<T>& c) {
+BANDPO_HD T kl_tail_lower_log(T inv_p, T one_minus_p, T t, const DeltaConsts<T>& c) {
   const T tt = t > T(1000) ? T(1000) : t;
-  return -(c.delta + omp * (tt + c.log_rho0 + omp * inv_p / c.rho0)) * inv_p;
+  return -(c.delta + one_minus_p * (tt + c.log_rho0 + one_minus_p * inv_p / c.rho0)) * inv_p;
 }
 
 // Double-precision refinements of the tails by the exact fixed points (scalar code paths only).
-BANDPO_HD double kl_refine_upper(double p, double omp, double q, double delta) {
-  for (int i = 0; i < 3; ++i) q = 1.0 - omp * exp_any(-(delta - p * log_any(p / q)) / omp);
+BANDPO_HD double kl_refine_upper(double p, double one_minus_p, double q, double delta) {
+  for (int i = 0; i < 3; ++i) q = 1.0 - one_minus_p * exp_any(-(delta - p * log_any(p / q)) / one_minus_p);
   return q;
 }
 
-BANDPO_HD double kl_refine_lower(double p, double omp, double r, double delta) {
-  for (int i = 0; i < 3; ++i) r = exp_any(-(delta + omp * log1p_any(p * (1.0 - r) / omp)) / p);
+BANDPO_HD double kl_refine_lower(double p, double one_minus_p, double r, double delta) {
+  for (int i = 0; i < 3; ++i) r = exp_any(-(delta + one_minus_p * log1p_any(p * (1.0 - r) / one_minus_p)) / p);
   return r;
 }
 
 // KL bounds from the value pair (q_up, κ) interpolated at the clamped t, plus the tails.
 template <typename T>
-BANDPO_HD void kl_finish(T p, T omp, T t, T q_tab, T kappa, const DeltaConsts<T>& c, const TableView& tb,
+BANDPO_HD void kl_finish(T p, T one_minus_p, T t, T q_tab, T kappa, const DeltaConsts<T>& c, const TableView& tb,
                          T& lo, T& up) {
   const T tmax = T(tb.t_min + (tb.nt - 1) * tb.t_step), tmin = T(tb.t_min);
   T q = q_tab < p ? p : (q_tab > T(1) ? T(1) : q_tab);
   T q_tail;
-  kl_tail_upper<T>(p, omp, t, c, q_tail);
+  kl_tail_upper<T>(p, t, c, q_tail);
   q = (t < tmin) ? q_tail : q;
   // One division serves every quotient below. It is taken of p·2^k, which keeps it finite for subnormal p
   // (a float32 p < 2.9e-39, where 1/p overflows but q/p does not); scaling by a power of two is exact, so
@@ -229,9 +229,9 @@ BANDPO_HD void kl_finish(T p, T omp, T t, T q_tab, T kappa, const DeltaConsts<T>
   const T inv_p = inv_ps * scale;
   up = (t > tmax) ? inv_p : (q * scale) * inv_ps;
   T L = -(c.delta * inv_p) * kappa;
-  L = (t > tmax) ? kl_tail_lower_log<T>(inv_p, omp, t, c) : L;
+  L = (t > tmax) ? kl_tail_lower_log<T>(inv_p, one_minus_p, t, c) : L;
   lo = exp_any(L);
-  lo = (omp == T(0)) ? c.exp_neg : lo;
+  lo = (one_minus_p == T(0)) ? c.exp_neg : lo;
 }
 
 // ---- closed forms (double) ---------------------------------------------------------------------------
@@ -246,24 +246,24 @@ BANDPO_HD double gap_p_minus_delta_times(double p, double delta, double one_minu
   return ((p - delta) + prod) + err;
 }
 
-BANDPO_HD void closed_form_bounds(int div, double p, double omp, double delta, double& lo, double& up) {
+BANDPO_HD void closed_form_bounds(int div, double p, double one_minus_p, double delta, double& lo, double& up) {
   switch (static_cast<Divergence>(div)) {
     case kTV: {                               // r = 1 ± δ/p
-      up = (omp <= delta) ? 1.0 / p : 1.0 + delta / p;
+      up = (one_minus_p <= delta) ? 1.0 / p : 1.0 + delta / p;
       lo = (p <= delta) ? 0.0 : (p - delta) / p;
       break;
     }
     case kChi2: {                             // r = 1 ± sqrt(δ(1-p)/p)
-      const double w = sqrt(delta * omp / p);
+      const double w = sqrt(delta * one_minus_p / p);
       const double gap = gap_p_minus_delta_times(p, delta, p);   // p - δ(1-p)
-      up = (omp <= delta * p) ? 1.0 / p : 1.0 + w;
+      up = (one_minus_p <= delta * p) ? 1.0 / p : 1.0 + w;
       lo = (gap <= 0.0) ? 0.0 : gap / (p * (1.0 + w));
       break;
     }
     case kHellinger: {                        // √q = √p·cos α ± √(1-p)·sin α, cos α = 1 - δ/2
       // a - b is written as (p - sin²α)/(a + b) (a² - b² = p - sin²α): no cancellation near saturation.
       const double ca = 1.0 - 0.5 * delta, s2 = delta * (1.0 - 0.25 * delta);
-      const double a = sqrt(p) * ca, b = sqrt(omp * s2);
+      const double a = sqrt(p) * ca, b = sqrt(one_minus_p * s2);
       const double gap = gap_p_minus_delta_times(p, delta, 0.25 * delta);   // p - sin²α = p - δ(1 - δ/4)
       const double a_minus_b = gap / (a + b);
       up = (sqrt(p) >= ca) ? 1.0 / p : (a + b) * (a + b) / p;
@@ -274,7 +274,7 @@ BANDPO_HD void closed_form_bounds(int div, double p, double omp, double delta, d
       lo = up = 0.0 / 0.0;
       return;
   }
-  if (omp == 0.0) up = 1.0;                 // p = 1 exactly
+  if (one_minus_p == 0.0) up = 1.0;                 // p = 1 exactly
   if (p == 0.0) lo = 0.0;
 }
 

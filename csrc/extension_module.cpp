@@ -5,11 +5,12 @@
 // backends): that is how the ops reach torch.ops.bandpo_lut. The module itself is empty, but for
 // one string, `build_info_json` (csrc/build_info.h), so that Python can ask the library itself what
 // it was built with, and `divergences` ({name: id} of csrc/divergence.h), so that a test can hold Python's
-// registry to the compiled list. Import torch before this module: the library links against libtorch.
+// registry to the compiled list, and `grid_fields` (csrc/table_grid.h), the order of the ops' grid argument. Import torch before this module: the library links against libtorch.
 #include <Python.h>
 
 #include "build_info.h"
 #include "divergence.h"
+#include "table_grid.h"
 
 static int add_divergences(PyObject* module) {
   PyObject* ids = PyDict_New();
@@ -26,6 +27,20 @@ static int add_divergences(PyObject* module) {
   return PyModule_AddObject(module, "divergences", ids);  // steals the reference on success
 }
 
+static int add_grid_fields(PyObject* module) {
+  PyObject* names = PyTuple_New(bandpo::kGridLen);
+  if (names == nullptr) return -1;
+  for (int i = 0; i < bandpo::kGridLen; ++i) {
+    PyObject* name = PyUnicode_FromString(bandpo::kGridFieldNames[i]);
+    if (name == nullptr) {
+      Py_DECREF(names);
+      return -1;
+    }
+    PyTuple_SET_ITEM(names, i, name);  // steals
+  }
+  return PyModule_AddObject(module, "grid_fields", names);
+}
+
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {
       PyModuleDef_HEAD_INIT,
@@ -39,7 +54,7 @@ PyMODINIT_FUNC PyInit__C(void) {
     return nullptr;
   }
   if (PyModule_AddStringConstant(module, "build_info_json", bandpo_build_info_json()) < 0 ||
-      add_divergences(module) < 0) {
+      add_divergences(module) < 0 || add_grid_fields(module) < 0) {
     Py_DECREF(module);
     return nullptr;
   }

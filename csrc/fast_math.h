@@ -20,15 +20,6 @@
 #define BANDPO_HD inline
 #endif
 
-// Complete unrolling of short fixed loops, so that the CPU loops around them stay vectorisable.
-#if defined(__CUDACC__)
-#define BANDPO_UNROLL _Pragma("unroll")
-#elif defined(__GNUC__) && !defined(__clang__)
-#define BANDPO_UNROLL _Pragma("GCC unroll 32")
-#else
-#define BANDPO_UNROLL
-#endif
-
 namespace bandpo {
 
 BANDPO_HD float bits_to_float(std::int32_t i) {

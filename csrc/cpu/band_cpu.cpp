@@ -58,7 +58,7 @@ std::shared_ptr<const CellPolys> cell_polys(const BandParams& P) {
 namespace {
 
 template <bool CLIP>
-__attribute__((always_inline)) inline void store(const FastRun& a, int64_t i, float l, float u, float cap) {
+BANDPO_INLINE void store(const FastRun& a, int64_t i, float l, float u, float cap) {
   u = u > cap ? cap : u;
   if (CLIP) {
     a.out[i] = clamp_like_torch<float>(a.ratio[i], l, u);
@@ -71,8 +71,8 @@ __attribute__((always_inline)) inline void store(const FastRun& a, int64_t i, fl
 // Pass 3 of a per-token-δ block; TAILS: whether the block has elements beyond the grid in t. dd: the block's
 // δ moved onto the table's range, ok: whether the δ given was in range.
 template <bool CLIP, bool TAILS>
-__attribute__((always_inline)) inline void kl_finish_token_block(const FastRun& a, int64_t start, int m,
-                                                                const float* p, const float* omp, const float* t,
+BANDPO_INLINE void kl_finish_token_block(const FastRun& a, int64_t start, int m,
+                                                                const float* p, const float* one_minus_p, const float* t,
                                                                 const float* q, const float* kap, const float* dd,
                                                                 const int* ok, float cap) {
   const TableView tb = a.P->table;
@@ -81,13 +81,13 @@ __attribute__((always_inline)) inline void kl_finish_token_block(const FastRun& 
     const float d = dd[i];
     const DeltaConsts<float> c = TAILS ? delta_consts<float>(d) : DeltaConsts<float>{d, 1.0f, 0.0f, 0.0f};
     float l, u;
-    kl_finish<float>(p[i], omp[i], t[i], q[i], kap[i], c, tb, l, u);
+    kl_finish<float>(p[i], one_minus_p[i], t[i], q[i], kap[i], c, tb, l, u);
     store<CLIP>(a, start + i, ok[i] ? l : nan, ok[i] ? u : nan, cap);
   }
 }
 
 template <bool LOG, bool CLIP, bool TOKEN>
-__attribute__((always_inline)) inline void kl_f32_run(const FastRun& a) {
+BANDPO_INLINE void kl_f32_run(const FastRun& a) {
   const BandParams& P = *a.P;
   const float cap = static_cast<float>(P.max_ratio);
   const TableView tb = P.table;
@@ -95,12 +95,12 @@ __attribute__((always_inline)) inline void kl_f32_run(const FastRun& a) {
   const float* __restrict cells = P.cell_f;
   const float* __restrict x = a.x;
   const float* __restrict dl = a.delta;
-  alignas(64) float p[kBlock], omp[kBlock], t[kBlock], q[kBlock], kap[kBlock], ut[kBlock], us[kBlock];
+  alignas(64) float p[kBlock], one_minus_p[kBlock], t[kBlock], q[kBlock], kap[kBlock], ut[kBlock], us[kBlock];
   alignas(64) float dd[kBlock];
   alignas(64) int it[kBlock], js[kBlock], ok[kBlock];
   for (int64_t start = 0; start < a.n; start += kBlock) {
     const int m = static_cast<int>(a.n - start < kBlock ? a.n - start : kBlock);
-    for (int i = 0; i < m; ++i) prob_terms_t<LOG, float>(x[start + i], p[i], omp[i], t[i]);
+    for (int i = 0; i < m; ++i) prob_terms_t<LOG, float>(x[start + i], p[i], one_minus_p[i], t[i]);
     // Cell indices in a vector pass of their own: fused with the gathers below, the loop runs 10x slower.
     for (int i = 0; i < m; ++i) it[i] = axis_cell<float>(t[i], tb.t_min, tb.t_step, tb.nt, ut[i]);
     if (TOKEN) {
@@ -120,14 +120,14 @@ __attribute__((always_inline)) inline void kl_f32_run(const FastRun& a) {
       int any_tail = 0;
       for (int i = 0; i < m; ++i) any_tail |= int(!((t[i] >= tmin) & (t[i] <= tmax)));
       if (any_tail) {
-        kl_finish_token_block<CLIP, true>(a, start, m, p, omp, t, q, kap, dd, ok, cap);
+        kl_finish_token_block<CLIP, true>(a, start, m, p, one_minus_p, t, q, kap, dd, ok, cap);
       } else {
-        kl_finish_token_block<CLIP, false>(a, start, m, p, omp, t, q, kap, dd, ok, cap);
+        kl_finish_token_block<CLIP, false>(a, start, m, p, one_minus_p, t, q, kap, dd, ok, cap);
       }
     } else {
       for (int i = 0; i < m; ++i) {
         float l, u;
-        kl_finish<float>(p[i], omp[i], t[i], q[i], kap[i], c0, tb, l, u);
+        kl_finish<float>(p[i], one_minus_p[i], t[i], q[i], kap[i], c0, tb, l, u);
         store<CLIP>(a, start + i, l, u, cap);
       }
     }
@@ -135,7 +135,7 @@ __attribute__((always_inline)) inline void kl_f32_run(const FastRun& a) {
 }
 
 template <int DIV, bool LOG, bool CLIP, bool TOKEN>
-__attribute__((always_inline)) inline void closed_f32_run(const FastRun& a) {
+BANDPO_INLINE void closed_f32_run(const FastRun& a) {
   const BandParams& P = *a.P;
   const float cap = static_cast<float>(P.max_ratio);
   const TableView tb = P.table;
@@ -143,10 +143,10 @@ __attribute__((always_inline)) inline void closed_f32_run(const FastRun& a) {
   const float* __restrict x = a.x;
   const float* __restrict dl = a.delta;
   for (int64_t i = 0; i < a.n; ++i) {
-    double p, omp, t, l, u;
-    prob_terms_t<LOG, double>(static_cast<double>(x[i]), p, omp, t);
+    double p, one_minus_p, t, l, u;
+    prob_terms_t<LOG, double>(static_cast<double>(x[i]), p, one_minus_p, t);
     const double d = TOKEN ? delta_in_range<double>(tb, static_cast<double>(dl[i])) : d0;
-    closed_form_bounds(DIV, p, omp, d, l, u);
+    closed_form_bounds(DIV, p, one_minus_p, d, l, u);
     if (TOKEN) {
       const bool ok = delta_valid<float>(tb, dl[i]);
       l = ok ? l : std::numeric_limits<double>::quiet_NaN();
@@ -157,7 +157,7 @@ __attribute__((always_inline)) inline void closed_f32_run(const FastRun& a) {
 }
 
 template <bool LOG, bool CLIP, bool TOKEN>
-__attribute__((always_inline)) inline void f32_run_div(const FastRun& a) {
+BANDPO_INLINE void f32_run_div(const FastRun& a) {
   switch (static_cast<Divergence>(a.P->divergence)) {   // exhaustive (-Werror=switch); ids checked on the host
     case kKL: kl_f32_run<LOG, CLIP, TOKEN>(a); break;
     case kTV: closed_f32_run<kTV, LOG, CLIP, TOKEN>(a); break;

@@ -10,7 +10,7 @@
 // Function multi-versioning: AVX-512 (x86-64-v4), AVX2+FMA (x86-64-v3) and baseline clones, picked at load
 // time. The AVX-512 clone, with -mprefer-vector-width=512 (setup.py), runs the vector passes 16 lanes wide:
 // measured 1.6x faster than the AVX2 one for the KL clip (2 threads, 24.3 -> 15.0 ms) on this project's Xeon.
-// Everything a cloned function calls must be inlined into it (BANDPO_HD / always_inline).
+// Everything a cloned function calls must be inlined into it (BANDPO_HD, BANDPO_INLINE).
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define BANDPO_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
