@@ -538,3 +538,35 @@ def test_verl_with_a_different_loss_convention_is_refused(monkeypatch):
     with pytest.raises(ImportError, match=r"cannot work with the installed verl .*policy losses "
                                           r"take .*Tested with verl 0\.9\.1"):
         bverl._check_verl_convention()
+
+
+# ---------------------------------------------------------------------------------------------
+# the launch script in examples/
+
+
+def test_example_launch_script_builds_the_papers_config(tmp_path):
+    """examples/verl_bandpo.sh, run by bash with a stand-in `python3` that records its arguments:
+    its command line composes with verl's config, passes verl's driver validation, and the actor's
+    policy loss is BandPO with the paper's settings."""
+    from verl.utils.config import validate_config
+
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
+    fake.chmod(0o755)
+    out = tmp_path / "args.txt"
+    env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}",
+               ARGS_OUT=str(out), HOME=str(tmp_path))
+    script = Path(PACKAGE_ROOT) / "examples" / "verl_bandpo.sh"
+    subprocess.run(["bash", str(script), "trainer.total_epochs=1"], env=env, check=True,
+                   timeout=60)
+    args = out.read_text().splitlines()
+    assert args[:2] == ["-m", "verl.trainer.main_ppo"] and args[-1] == "trainer.total_epochs=1"
+    cfg = _compose(tuple(args[2:]))
+    validate_config(cfg, use_reference_policy=False, use_critic=False)
+    pl = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).policy_loss
+    assert isinstance(pl, bverl.BandPolicyLossConfig)
+    assert (pl.loss_mode, pl.band_divergence, pl.band_delta, pl.band_max_ratio, pl.band_dual_clip,
+            pl.band_clip) == ("bandpo", "kl", 0.05, 10, 10, "band")
+    # several optimiser steps per rollout batch, so that the ratio moves and the band acts
+    assert cfg.data.train_batch_size > cfg.actor_rollout_ref.actor.ppo_mini_batch_size
