@@ -620,12 +620,20 @@ def test_installed_trl_is_a_tested_version_and_imports_silently():
         band_trl._check_trl()
 
 
+def test_tested_versions_are_the_ones_ci_runs():
+    """TESTED_TRL is exactly the pinned TRL plus the one CI's second TRL phase swaps in."""
+    pinned = re.search(r"^trl==(\S+)$", (REPO / "requirements-integrations.txt").read_text(), re.M)
+    second = re.search(r"^TRL_SECOND=(\S+)$", (REPO / ".ci" / "run").read_text(), re.M)
+    assert pinned and second
+    assert sorted(TESTED_TRL) == sorted({pinned.group(1), second.group(1)})
+
+
 def test_untested_trl_with_the_same_structure_warns(monkeypatch):
     from bandpo_lut.integrations import trl as band_trl
 
     monkeypatch.setattr(trl, "__version__", "1.16.1")
     with pytest.warns(UserWarning, match=r"trl 1\.16\.1 is not one of the tested versions "
-                                         r"\(1\.15\.0, 1\.16\.0\)"):
+                                         r"\(1\.14\.2, 1\.16\.0\)"):
         band_trl._check_trl()
 
 
@@ -645,4 +653,4 @@ def test_trl_with_a_different_structure_is_refused(monkeypatch, name, replacemen
     monkeypatch.setattr(band_trl, name, replacement)
     with pytest.raises(ImportError, match=problem) as info:
         band_trl._check_trl()
-    assert f"trl {version}" in str(info.value) and "Tested with trl 1.15.0, 1.16.0" in str(info.value)
+    assert f"trl {version}" in str(info.value) and "Tested with trl 1.14.2, 1.16.0" in str(info.value)

@@ -67,13 +67,13 @@ try:
     from trl import GRPOConfig, GRPOTrainer
 except ImportError as exc:  # pragma: no cover - exercised only without trl
     raise ImportError(
-        "bandpo_lut.integrations.trl needs trl (tested: trl 1.15.0, 1.16.0). Install the pinned "
+        "bandpo_lut.integrations.trl needs trl (tested: trl 1.14.2, 1.16.0). Install the pinned "
         "integration requirements: pip install -r requirements-integrations.txt"
     ) from exc
 
 __all__ = ["BandGRPOConfig", "BandGRPOTrainer", "TESTED_TRL", "BAND_LOSS_TYPES"]
 
-TESTED_TRL = ("1.15.0", "1.16.0")
+TESTED_TRL = ("1.14.2", "1.16.0")
 BAND_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss types with TRL's clip
 # What the hook relies on in GRPOTrainer._compute_loss, in this order: one policy forward, the
 # two-sided clip of the unclipped ratio, then TRL's delta cap of coef_1 (the dual clip).
