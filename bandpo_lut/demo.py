@@ -73,6 +73,11 @@ class Config:
     max_ratio: float | None
 
 
+# The figure's default name: in the current directory, and not the repository's tracked
+# docs/demo.png (regenerate that one with `--out docs/demo.png`).
+DEFAULT_OUT = "bandpo-demo.png"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a smaller run that finishes in well under a minute")
@@ -105,8 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or auto (fused when available; default)")
     parser.add_argument("--every", type=_positive_int, default=None,
                         help="print every N steps (default: about 10 rows per method)")
-    parser.add_argument("--out", type=_out_path, default=Path("docs/demo.png"),
-                        help="figure path, .png or .svg (default docs/demo.png); 'none' to skip")
+    parser.add_argument("--out", type=_out_path, default=Path(DEFAULT_OUT),
+                        help=f"figure path, .png or .svg (default {DEFAULT_OUT} in the current "
+                             f"directory); 'none' to skip")
     parser.add_argument("--threads", type=_positive_int, default=1,
                         help="torch CPU threads (default 1: the toy's tensors are small, and more "
                              "threads only add synchronisation)")

@@ -193,11 +193,14 @@ actor_rollout_ref:
         == ("bandpo", "kl", 0.05, 10, 10)
 
 
-def test_defaults_without_band_keys():
+def test_defaults_without_band_keys_are_the_papers():
     pl = actor_config().policy_loss
     assert isinstance(pl, bverl.BandPolicyLossConfig)
     assert (pl.band_delta, pl.band_divergence, pl.band_max_ratio, pl.band_dual_clip,
-            pl.band_clip, pl.band_mode) == (0.05, "kl", None, None, "band", "clip")
+            pl.band_clip, pl.band_mode) == (0.05, "kl", 10.0, 10.0, "band", "clip")
+    # departing from them is explicit: null turns the cap and the dual clip off
+    pl = actor_config(*band_overrides(max_ratio=None, dual_clip=None)).policy_loss
+    assert (pl.band_max_ratio, pl.band_dual_clip) == (None, None)
 
 
 def test_unknown_band_setting_is_a_clear_error():
@@ -209,17 +212,91 @@ def test_unknown_band_setting_is_a_clear_error():
         bverl.BandPolicyLossConfig(band_max_ratoi=10)
 
 
-@pytest.mark.parametrize("key, value, match", [
+BAD_VALUES = [
     ("delta", -0.1, "band_delta must be a positive number"),
-    ("divergence", "klx", "band_divergence must be one of"),
-    ("max_ratio", 0.5, "band_max_ratio must be null or a number >= 1"),
-    ("dual_clip", 1.0, "band_dual_clip must be null or a number > 1"),
+    ("delta", 2.0, r"band_delta=2.0 is outside the range of the shipped 'kl' table"),
+    ("delta", 1e-4, r"band_delta=0.0001 is outside the range"),
+    ("divergence", "reverse_kl", r"band_divergence='reverse_kl' has no compiled kernel"),
+    ("divergence", "klx", r"band_divergence='klx' is not a divergence"),
+    ("max_ratio", 0.5, "band_max_ratio must be a number >= 1"),
+    ("dual_clip", 1.0, "band_dual_clip must be null .off. or a number > 1"),
     ("clip", "ppo", "band_clip must be one of"),
     ("mode", "hard", "band_mode must be one of"),
-])
-def test_bad_band_value_is_a_clear_error(key, value, match):
-    with pytest.raises(Exception, match=match):
+]
+
+
+@pytest.mark.parametrize("key, value, match", BAD_VALUES,
+                         ids=[f"{k}={v}" for k, v, _ in BAD_VALUES])
+def test_bad_band_value_is_refused_when_the_config_is_built(key, value, match):
+    """Refused when verl builds the config object, naming the user's key in full."""
+    with pytest.raises(Exception, match=match) as info:
         actor_config(*band_overrides(**{key: value}))
+    assert f"actor_rollout_ref.actor.policy_loss.band_{key}" in str(info.value)
+
+
+def _driver_config(*overrides):
+    base = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+            "critic.ppo_micro_batch_size_per_gpu=2",
+            "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=1",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=bandpo",
+            f"actor_rollout_ref.actor.policy_loss._target_={TARGET}"]
+    return _compose(tuple(base + list(overrides)))
+
+
+def test_verls_driver_validation_refuses_a_bad_band():
+    """verl's own validate_config, which main_ppo runs in the driver before Ray starts a worker,
+    refuses a band the loss could not compute (it used to pass, and fail in the first loss call)."""
+    from verl.utils.config import validate_config
+
+    validate_config(_driver_config(*band_overrides(delta=0.05)), use_reference_policy=False,
+                    use_critic=False)  # the paper's settings pass
+    for key, value in (("delta", 2.0), ("delta", 1e-4), ("divergence", "reverse_kl")):
+        with pytest.raises(Exception, match=f"policy_loss.band_{key}="):
+            validate_config(_driver_config(*band_overrides(**{key: value})),
+                            use_reference_policy=False, use_critic=False)
+
+
+def test_target_without_loss_mode_says_what_to_add():
+    with pytest.raises(Exception) as info:
+        actor_config(f"actor_rollout_ref.actor.policy_loss._target_={TARGET}", band=False)
+    msg = str(info.value)
+    assert "loss_mode='vanilla'" in msg
+    assert "Add actor_rollout_ref.actor.policy_loss.loss_mode=bandpo" in msg
+
+
+def test_band_keys_without_target_say_to_set_it():
+    """In a process where bandpo_lut.integrations.verl is imported (here; in a driver through
+    VERL_USE_EXTERNAL_MODULES, below), band keys under verl's own PolicyLossConfig fail saying
+    which _target_ to set, not with a bare 'unexpected keyword argument'."""
+    with pytest.raises(Exception) as info:
+        actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=bandpo",
+                     *band_overrides(delta=0.05, max_ratio=10), band=False)
+    msg = str(info.value)
+    assert "band_delta, band_max_ratio" in msg
+    assert f"Add actor_rollout_ref.actor.policy_loss._target_={TARGET}" in msg
+    # verl's own class is otherwise untouched
+    from verl.workers.config import PolicyLossConfig
+
+    assert PolicyLossConfig(loss_mode="vanilla").loss_mode == "vanilla"
+
+
+def test_plain_config_route_uses_the_papers_settings(loss_impl):
+    """loss_mode=bandpo without our _target_ (the external_lib / VERL_USE_EXTERNAL_MODULES route):
+    the loss uses the defaults, which are the paper's (cap 10, dual clip 10)."""
+    cfg = actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=bandpo", band=False)
+    assert type(cfg.policy_loss).__name__ == "PolicyLossConfig"
+    b = make_batch(7, spread=3.0)
+    loss, grad, _ = run_ppo_loss(cfg, b)
+    log_prob = b["new"].clone().requires_grad_(True)
+    want, want_m = loss_impl(log_prob, b["old"], b["adv"], b["response_mask"], delta=0.05,
+                             divergence="kl", max_ratio=10.0, dual_clip=10.0)
+    (want_grad,) = torch.autograd.grad(want, log_prob)
+    assert_close(loss, want.detach())
+    assert_close(grad, want_grad)
+    assert float(want_m["n_dual_clipped"]) > 0  # the dual clip is exercised
 
 
 def _run_fresh_python(code: str, **env) -> subprocess.CompletedProcess:
@@ -255,6 +332,28 @@ print("OK")
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 
+def test_band_keys_without_target_in_a_driver_with_external_modules():
+    code = f"""
+import os
+from hydra import compose, initialize_config_dir
+import verl
+from verl.utils.config import omega_conf_to_dataclass
+d = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+with initialize_config_dir(config_dir=d, version_base=None):
+    cfg = compose(config_name="ppo_trainer", overrides=[
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=bandpo",
+        "+actor_rollout_ref.actor.policy_loss.band_delta=0.05"])
+try:
+    omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+except Exception as e:
+    print("ERROR:", e)
+"""
+    out = _run_fresh_python(code, VERL_USE_EXTERNAL_MODULES="bandpo_lut.integrations.verl")
+    assert f"Add actor_rollout_ref.actor.policy_loss._target_={TARGET}" in out.stdout, \
+        out.stdout[-2000:] + out.stderr[-3000:]
+
+
 def test_verl_external_modules_env_imports_the_loss():
     out = _run_fresh_python(
         "from verl.trainer.ppo import core_algos; core_algos.get_policy_loss_fn('bandpo'); print('OK')",
@@ -269,10 +368,10 @@ def test_verl_external_modules_env_imports_the_loss():
 @pytest.mark.parametrize("agg", ["token-mean", "token-sum", "seq-mean-token-mean",
                                  "seq-mean-token-sum"])
 @pytest.mark.parametrize("settings", [
-    dict(delta=0.05, divergence="kl"),
+    dict(delta=0.05, divergence="kl", max_ratio=None, dual_clip=None),
     dict(delta=0.05, divergence="kl", max_ratio=10, dual_clip=10),
     dict(delta=0.2, divergence="kl", max_ratio=3, dual_clip=2.5),
-], ids=["kl", "paper", "tight"])
+], ids=["kl-uncapped", "paper", "tight"])
 def test_loss_and_grad_equal_policy_loss(loss_impl, agg, settings):
     """Through ppo_loss with a real actor config (dp 1, no global info): the same loss and
     gradient as calling bandpo_lut.policy_loss directly."""
@@ -283,8 +382,7 @@ def test_loss_and_grad_equal_policy_loss(loss_impl, agg, settings):
     log_prob = b["new"].clone().requires_grad_(True)
     want, want_m = loss_impl(log_prob, b["old"], b["adv"], b["response_mask"], agg=agg,
                              delta=settings["delta"], divergence=settings["divergence"],
-                             max_ratio=settings.get("max_ratio"),
-                             dual_clip=settings.get("dual_clip"))
+                             max_ratio=settings["max_ratio"], dual_clip=settings["dual_clip"])
     (want_grad,) = torch.autograd.grad(want, log_prob)
     assert_close(loss, want.detach())
     assert_close(grad, want_grad)
@@ -411,3 +509,64 @@ def test_dp_without_global_info_is_an_error():
     with pytest.raises(ValueError, match="batch_num_tokens is required"):
         bverl.compute_policy_loss_bandpo(b["old"], b["new"], b["adv"], b["response_mask"],
                                          "token-mean", cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# the version policy (the same as TRL's: bandpo_lut.integrations._common.check_framework)
+
+
+def test_installed_verl_is_a_tested_version_and_imports_silently():
+    import warnings
+
+    assert verl.__version__ in bverl.TESTED_VERL
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bverl._check_verl_convention()
+
+
+def test_untested_verl_with_the_same_convention_warns(monkeypatch):
+    monkeypatch.setattr(verl, "__version__", "0.9.2")
+    with pytest.warns(UserWarning, match=r"verl 0\.9\.2 is not one of the tested versions"):
+        bverl._check_verl_convention()
+
+
+def test_verl_with_a_different_loss_convention_is_refused(monkeypatch):
+    def vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config):
+        pass
+
+    monkeypatch.setattr(core_algos, "compute_policy_loss_vanilla", vanilla)
+    with pytest.raises(ImportError, match=r"cannot work with the installed verl .*policy losses "
+                                          r"take .*Tested with verl 0\.9\.1"):
+        bverl._check_verl_convention()
+
+
+# ---------------------------------------------------------------------------------------------
+# the launch script in examples/
+
+
+def test_example_launch_script_builds_the_papers_config(tmp_path):
+    """examples/verl_bandpo.sh, run by bash with a stand-in `python3` that records its arguments:
+    its command line composes with verl's config, passes verl's driver validation, and the actor's
+    policy loss is BandPO with the paper's settings."""
+    from verl.utils.config import validate_config
+
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
+    fake.chmod(0o755)
+    out = tmp_path / "args.txt"
+    env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}",
+               ARGS_OUT=str(out), HOME=str(tmp_path))
+    script = Path(PACKAGE_ROOT) / "examples" / "verl_bandpo.sh"
+    subprocess.run(["bash", str(script), "trainer.total_epochs=1"], env=env, check=True,
+                   timeout=60)
+    args = out.read_text().splitlines()
+    assert args[:2] == ["-m", "verl.trainer.main_ppo"] and args[-1] == "trainer.total_epochs=1"
+    cfg = _compose(tuple(args[2:]))
+    validate_config(cfg, use_reference_policy=False, use_critic=False)
+    pl = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).policy_loss
+    assert isinstance(pl, bverl.BandPolicyLossConfig)
+    assert (pl.loss_mode, pl.band_divergence, pl.band_delta, pl.band_max_ratio, pl.band_dual_clip,
+            pl.band_clip) == ("bandpo", "kl", 0.05, 10, 10, "band")
+    # several optimiser steps per rollout batch, so that the ratio moves and the band acts
+    assert cfg.data.train_batch_size > cfg.actor_rollout_ref.actor.ppo_mini_batch_size

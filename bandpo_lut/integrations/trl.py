@@ -1,140 +1,206 @@
 """BandPO for TRL: GRPO with BandPO's band in place of the per-token ratio clip.
 
-Supported TRL: exactly the versions in `SUPPORTED_TRL` (pinned in ``requirements-integrations.txt``);
-any other version fails at import with a message saying so (``BANDPO_ALLOW_UNTESTED_TRL=1`` turns
-that into a warning; the structural checks below still apply). What a TRL user writes::
+What a TRL user writes (the paper's settings are the defaults)::
 
     from bandpo_lut.integrations.trl import BandGRPOConfig, BandGRPOTrainer
 
-    args = BandGRPOConfig(output_dir="out", band_delta=0.05, band_divergence="kl",
-                          band_max_ratio=10.0, delta=10.0)    # delta: TRL's two-sided clip = dual clip
+    args = BandGRPOConfig(output_dir="out", num_iterations=2)   # 2 optimiser steps per generation
     trainer = BandGRPOTrainer(model=..., reward_funcs=..., args=args, train_dataset=...)
+
+Defaults: ``band_divergence="kl", band_delta=0.05, band_max_ratio=10.0`` and ``delta=10.0`` (TRL's
+two-sided clip, which is the dual clip here), the paper's settings. Departing from them is an explicit
+setting (``delta=None`` turns the dual clip off, ``band_max_ratio=None`` the cap when ``delta`` is None).
 
 What changes, and what does not:
 
 - TRL's GRPO loss (loss types "grpo", "bnpo", "dr_grpo", "dapo", "luspo") clips the token ratio
   with ``torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)``. `BandGRPOTrainer` replaces
   exactly those two bounds, for the duration of one loss call, by the per-token band
-  ``[lo(p_old), up(p_old)]`` of ``bandpo_lut.bounds(log_p_old=old_per_token_logps, ...)``: TRL's own
-  ``_compute_loss`` then runs unchanged, so its loss types, KL term, importance sampling (vLLM IS
-  correction, off-policy masking), entropy masking, tool masks, normalisation and gradient
-  accumulation are TRL's, and its clip metrics (``clip_ratio/low_mean``, ``high_mean``,
-  ``region_mean``, ...) count the band's clipping. This is the smallest hook: no TRL code is copied.
-- Dual clip: TRL's own ``delta`` (its "two-sided" clip caps the ratio at delta) is dual-clip PPO's
-  cap for A < 0; for A > 0 it also caps the ratio at delta, which changes nothing when
-  ``band_max_ratio <= delta`` (the paper: both 10).
+  ``[lo(p_old), min(up(p_old), band_max_ratio, delta)]`` of ``bandpo_lut.bounds(log_p_old=...)``:
+  TRL's own ``_compute_loss`` then runs unchanged, so its loss types, KL term, importance sampling
+  (vLLM IS correction, off-policy masking), entropy masking, tool masks, normalisation and gradient
+  accumulation are TRL's. No TRL code is copied.
+- Dual clip: TRL's ``delta`` caps ``coef_1`` (the unclipped ratio) at delta for every token. With the
+  band's upper bound also capped at delta, TRL's loss is then exactly
+  ``bandpo_lut.policy_loss(..., max_ratio=min(band_max_ratio, delta), dual_clip=delta)``: for A < 0 and
+  ratio > delta the token's loss is ``-A * delta`` with no gradient (dual-clip PPO). Because TRL's
+  delta also caps the ratio of A > 0 tokens, ``band_max_ratio > delta`` cannot be honoured and is
+  refused (paper: both 10).
 - ``band_clip="fixed"`` keeps TRL's epsilon clip untouched (a PPO/DAPO baseline run that logs the same
   band metrics); the loss is then stock GRPOTrainer's, bit for bit.
-- Metrics: besides TRL's, ``band/<name>`` for every fraction of `bandpo_lut.policy_loss`
-  (clip_frac, clip_frac_upper, clip_frac_lower, dual_clip_frac, clip_frac_upper_lowprob, ppo_kl,
-  band_width_mean, clip_frac_pXX_YY). They are exact over the logging window and all processes:
-  the raw counts are summed on the device every micro-batch and reduced, divided and moved to the
-  host once, when the trainer logs (no host synchronisation in the loss path).
-- Not supported with the band (a clear error at config time): loss types without TRL's two-sided
-  clip ("cispo", "sapo", "vespo") and ``importance_sampling_level="sequence"`` (one ratio per
-  sequence has no per-token p_old).
+- Metrics: ``band/<name>`` for every fraction of `bandpo_lut.policy_loss` (clip_frac,
+  clip_frac_upper, clip_frac_lower, dual_clip_frac, clip_frac_upper_lowprob, ppo_kl, band_width_mean,
+  clip_frac_pXX_YY), computed with the settings the loss really uses. Read these: TRL's own
+  ``clip_ratio/*`` compare the ratio after TRL's delta cap with the bounds, so a token whose ratio is
+  above delta (and above the capped bound) is missing from ``clip_ratio/high_mean``. The band counts
+  are exact over the logging window and all processes: summed on the device every micro-batch,
+  reduced, divided and moved to the host once, when the trainer logs (no host synchronisation in
+  the loss path).
+- Refused when the config is built, each naming the setting: a band bandpo_lut cannot compute
+  (``band_delta`` outside the shipped table's range, a ``band_divergence`` without a compiled kernel,
+  ``band_max_ratio < 1``), TRL's ``delta <= 1`` (``delta`` is the dual-clip cap; the radius is
+  ``band_delta``), ``epsilon``/``epsilon_high`` with the band (they would be ignored), loss types
+  without TRL's two-sided clip ("cispo", "sapo", "vespo") and ``importance_sampling_level="sequence"``.
+- Warned once, when the trainer is built: a schedule under which the ratio is identically 1
+  (one optimiser step per generation batch, TRL's default), so that no ratio clip ever acts.
+
+Versions: tested with the TRL versions in `TESTED_TRL` (CI runs the tests with each). Another version
+whose GRPO loss still has the structure this hook relies on imports with a warning; one where it
+changed is refused at import with a message saying what is missing.
 """
 from __future__ import annotations
 
 import inspect
 import math
-import os
 import warnings
-from dataclasses import dataclass, field
-from numbers import Real
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
 
 import bandpo_lut
 
+from ._common import PAPER, check_band, check_framework, compiled_divergences, is_number
+
 try:
     import trl
     from trl import GRPOConfig, GRPOTrainer
 except ImportError as exc:  # pragma: no cover - exercised only without trl
     raise ImportError(
-        "bandpo_lut.integrations.trl needs trl (supported: trl==1.16.0). Install the pinned "
+        "bandpo_lut.integrations.trl needs trl (tested: trl 1.14.2, 1.16.0). Install the pinned "
         "integration requirements: pip install -r requirements-integrations.txt"
     ) from exc
 
-__all__ = ["BandGRPOConfig", "BandGRPOTrainer", "SUPPORTED_TRL", "BAND_LOSS_TYPES"]
+__all__ = ["BandGRPOConfig", "BandGRPOTrainer", "TESTED_TRL", "BAND_LOSS_TYPES"]
 
-SUPPORTED_TRL = ("1.16.0",)
+TESTED_TRL = ("1.14.2", "1.16.0")
 BAND_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss types with TRL's clip
-_CLIP_LINE = "torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)"
+# What the hook relies on in GRPOTrainer._compute_loss, in this order: one policy forward, the
+# two-sided clip of the unclipped ratio, then TRL's delta cap of coef_1 (the dual clip).
 _LOGPS_CALL = "self._get_per_token_logps_and_entropies("
+_CLIP_LINE = "torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)"
+_DELTA_LINE = "coef_1 = torch.clamp(coef_1, max=self.args.delta)"
+_CONFIG_FIELDS = ("delta", "epsilon", "epsilon_high", "loss_type", "importance_sampling_level",
+                  "num_iterations", "steps_per_generation", "gradient_accumulation_steps")
+_TRAINER_ATTRS = ("_compute_loss", "_get_per_token_logps_and_entropies", "log")
+
+
+def _trl_problems() -> list[str]:
+    """What differs, in the installed TRL, from the structure this integration relies on."""
+    problems = []
+    missing = [a for a in _TRAINER_ATTRS if not callable(getattr(GRPOTrainer, a, None))]
+    if missing:
+        problems.append(f"GRPOTrainer has no {', '.join(missing)}")
+    config_fields = {f.name for f in fields(GRPOConfig)}
+    missing = [f for f in _CONFIG_FIELDS if f not in config_fields]
+    if missing:
+        problems.append(f"GRPOConfig has no {', '.join(missing)}")
+    if problems:
+        return problems
+    try:
+        src = inspect.getsource(GRPOTrainer._compute_loss)
+    except (OSError, TypeError):
+        return ["the source of GRPOTrainer._compute_loss is not installed, so its clip cannot be "
+                "checked"]
+    if src.count(_LOGPS_CALL) != 1:
+        problems.append("GRPOTrainer._compute_loss no longer runs exactly one policy forward "
+                        f"({_LOGPS_CALL}...)")
+    if _CLIP_LINE not in src:
+        problems.append(f"GRPOTrainer._compute_loss no longer clips with '{_CLIP_LINE}'")
+    elif _DELTA_LINE not in src or src.index(_DELTA_LINE) < src.index(_CLIP_LINE):
+        problems.append(f"GRPOTrainer._compute_loss no longer applies '{_DELTA_LINE}' after the clip")
+    return problems
 
 
 def _check_trl() -> None:
+    """The version policy (`bandpo_lut.integrations._common.check_framework`), for TRL."""
     version = getattr(trl, "__version__", "unknown")
-    if version not in SUPPORTED_TRL:
-        msg = (f"bandpo_lut.integrations.trl supports trl {', '.join(SUPPORTED_TRL)}, but trl "
-               f"{version} is installed: pip install -r requirements-integrations.txt (or "
-               f"'trl=={SUPPORTED_TRL[-1]}')")
-        if os.environ.get("BANDPO_ALLOW_UNTESTED_TRL") != "1":
-            raise ImportError(msg + "; BANDPO_ALLOW_UNTESTED_TRL=1 tries it anyway")
-        warnings.warn(msg, stacklevel=3)
-    # The hook relies on two facts of GRPOTrainer._compute_loss; refuse a TRL where they changed.
-    try:
-        src = inspect.getsource(GRPOTrainer._compute_loss)
-    except (OSError, TypeError):  # no source installed: the version check has to do
-        return
-    if _CLIP_LINE not in src or src.count(_LOGPS_CALL) != 1:
-        raise ImportError(f"trl {version}: GRPOTrainer._compute_loss no longer clips with "
-                          f"'{_CLIP_LINE}' after one policy forward; BandGRPOTrainer cannot "
-                          f"replace its clip (supported: trl {', '.join(SUPPORTED_TRL)})")
+    problems = _trl_problems()
+    if problems and version in TESTED_TRL and problems[0].startswith("the source of"):
+        problems = []  # a tested version without its sources: the version is the check
+    check_framework("trl", version, TESTED_TRL, problems)
 
 
 _check_trl()
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, Real) and not isinstance(x, bool)
+def _ratio_clip_is_inert(args) -> bool:
+    """True when every micro-batch of a generation batch is trained with the weights that generated
+    it (TRL then uses the current log-probs as the old ones): the ratio is identically 1.
+
+    TRL generates every ``steps_per_generation * num_iterations`` micro-batches and steps the
+    optimiser every ``gradient_accumulation_steps``; the weights change within one generation's use
+    only if an optimiser step falls inside it (TRL's own test, grpo_trainer.py)."""
+    generate_every = args.steps_per_generation * args.num_iterations
+    return args.gradient_accumulation_steps % generate_every == 0
 
 
 @dataclass
 class BandGRPOConfig(GRPOConfig):
     """TRL's `GRPOConfig` plus BandPO's settings (every GRPOConfig argument works as in TRL).
 
-    The paper's settings: ``band_divergence="kl", band_delta=0.05, band_max_ratio=10.0`` and dual
+    Defaults are the paper's: ``band_divergence="kl", band_delta=0.05, band_max_ratio=10.0`` and dual
     clip 10, which in TRL is its two-sided clip ``delta=10.0``. TRL's ``epsilon``/``epsilon_high`` are
-    used only with ``band_clip="fixed"``.
+    TRL's fixed clip, used only with ``band_clip="fixed"``.
     """
 
-    band_delta: float = field(default=0.05, metadata={
-        "help": "BandPO trust-region radius δ of the band (paper: 0.05)."})
-    band_divergence: str = field(default="kl", metadata={
-        "help": "f-divergence of the trust region: 'kl' (paper), 'tv' or 'chi2'."})
-    band_max_ratio: Optional[float] = field(default=None, metadata={
-        "help": "Cap on the band's upper ratio bound (paper: 10). None: no cap."})
+    band_delta: float = field(default=PAPER["delta"], metadata={
+        "help": "BandPO trust-region radius δ (paper: 0.05), within the shipped table's range "
+                "(kl: [0.001, 1]). Not TRL's `delta`, which is the dual-clip cap."})
+    band_divergence: str = field(default=PAPER["divergence"], metadata={
+        "help": "f-divergence of the trust region: " + ", ".join(repr(n) for n in
+                                                                 compiled_divergences())
+                + " (paper: 'kl')."})
+    band_max_ratio: Optional[float] = field(default=PAPER["max_ratio"], metadata={
+        "help": "Cap on the band's upper ratio bound (paper: 10); at most `delta` when `delta` is "
+                "set. None: no cap (only with delta=None)."})
     band_clip: str = field(default="band", metadata={
         "help": "'band' (BandPO) or 'fixed' (TRL's own epsilon clip, a baseline that logs the same "
                 "band/ metrics)."})
+    delta: Optional[float] = field(default=PAPER["dual_clip"], metadata={
+        "help": "TRL's two-sided clip: the ratio is capped at delta, which for A < 0 is dual-clip "
+                "PPO's cap (paper: 10). Must be > 1; None turns the dual clip off. BandPO's "
+                "trust-region radius is band_delta."})
 
     def __post_init__(self):
         super().__post_init__()
-        if self.band_clip not in ("band", "fixed"):
-            raise ValueError(f"band_clip must be 'band' or 'fixed', got {self.band_clip!r}")
-        if not (_is_number(self.band_delta) and 0 < self.band_delta < math.inf):
-            raise ValueError(f"band_delta must be a positive number, got {self.band_delta!r}")
-        from bandpo_lut import divergences
+        _validate(self)
 
-        if self.band_divergence not in divergences.names():
-            raise ValueError(f"band_divergence must be one of {divergences.names()}, "
-                             f"got {self.band_divergence!r}")
-        if self.band_max_ratio is not None and not (_is_number(self.band_max_ratio)
-                                                    and self.band_max_ratio >= 1):
-            raise ValueError(f"band_max_ratio must be None or a number >= 1, "
-                             f"got {self.band_max_ratio!r}")
-        if self.band_clip == "band":
-            if self.loss_type not in BAND_LOSS_TYPES:
-                raise ValueError(f"BandPO replaces the two-sided ratio clip of loss_type in "
-                                 f"{BAND_LOSS_TYPES}; loss_type={self.loss_type!r} has none "
-                                 f"(use band_clip='fixed' to run it unchanged)")
-            if self.importance_sampling_level != "token":
-                raise ValueError("BandPO's band is per token (it depends on each token's p_old): "
-                                 "importance_sampling_level must be 'token', got "
-                                 f"{self.importance_sampling_level!r}")
+
+def _validate(a) -> None:
+    """Refuse every setting that would not train what it says (see the module docstring)."""
+    if a.band_clip not in ("band", "fixed"):
+        raise ValueError(f"band_clip must be 'band' or 'fixed', got {a.band_clip!r}")
+    check_band(a.band_divergence, a.band_delta, a.band_max_ratio,
+               field={"divergence": "band_divergence", "delta": "band_delta",
+                      "max_ratio": "band_max_ratio"})
+    if a.delta is not None and not (is_number(a.delta) and a.delta > 1 and math.isfinite(a.delta)):
+        hint = (f" BandPO's trust-region radius is band_delta (e.g. band_delta={a.delta!r})"
+                if is_number(a.delta) and 0 < a.delta <= 1 else "")
+        raise ValueError(f"delta={a.delta!r}: in TRL's GRPOConfig, delta is the two-sided clip that "
+                         f"caps the ratio (here: dual-clip PPO's cap for A < 0), a number > 1 "
+                         f"(paper: {PAPER['dual_clip']:g}), or None for no dual clip.{hint}")
+    if a.band_clip != "band":
+        return
+    if a.loss_type not in BAND_LOSS_TYPES:
+        raise ValueError(f"loss_type={a.loss_type!r} has no two-sided ratio clip for the band to "
+                         f"replace (BandPO works with loss_type in {BAND_LOSS_TYPES}); use "
+                         f"band_clip='fixed' to run it unchanged")
+    if a.importance_sampling_level != "token":
+        raise ValueError("importance_sampling_level must be 'token' with band_clip='band' (the band "
+                         "depends on each token's p_old), got "
+                         f"{a.importance_sampling_level!r}")
+    if a.epsilon != 0.2 or a.epsilon_high is not None:
+        raise ValueError(f"epsilon={a.epsilon!r}, epsilon_high={a.epsilon_high!r}: TRL's fixed "
+                         f"clip [1 - epsilon, 1 + epsilon_high] is replaced by the band with "
+                         f"band_clip='band', so these would be ignored. Remove them (the band's "
+                         f"settings are band_delta, band_divergence, band_max_ratio), or set "
+                         f"band_clip='fixed' to train with TRL's clip")
+    if a.delta is not None and (a.band_max_ratio is None or a.band_max_ratio > a.delta):
+        raise ValueError(f"band_max_ratio={a.band_max_ratio!r} with delta={a.delta!r}: TRL's delta "
+                         f"caps the ratio of every token (A > 0 included), so the band's upper "
+                         f"bound cannot exceed it. Set band_max_ratio <= delta (paper: both "
+                         f"{PAPER['dual_clip']:g}), or delta=None (no dual clip) for a higher cap")
 
 
 class _BandEdge:
@@ -150,15 +216,15 @@ class _BandEdge:
     def _refuse(self, what):
         raise TypeError(f"BandGRPOTrainer: TRL used epsilon_{self.side} as {what}; only "
                         f"'1 {'-' if self.side == 'low' else '+'} epsilon_{self.side}' is supported "
-                        f"(trl {', '.join(SUPPORTED_TRL)})")
+                        f"(trl {', '.join(TESTED_TRL)})")
 
     def __rsub__(self, other):
-        if self.side == "low" and _is_number(other) and other == 1:
+        if self.side == "low" and is_number(other) and other == 1:
             return self.bound
         self._refuse(f"'{other!r} - epsilon'")
 
     def __radd__(self, other):
-        if self.side == "high" and _is_number(other) and other == 1:
+        if self.side == "high" and is_number(other) and other == 1:
             return self.bound
         self._refuse(f"'{other!r} + epsilon'")
 
@@ -186,18 +252,35 @@ class BandGRPOTrainer(GRPOTrainer):
         if not isinstance(self.args, BandGRPOConfig):
             raise TypeError(f"BandGRPOTrainer needs args=BandGRPOConfig(...), got "
                             f"{type(self.args).__name__}")
+        _validate(self.args)  # again: the config may have been edited since it was built
         self._band_counts = {"train": None, "eval": None}
+        if _ratio_clip_is_inert(self.args):
+            a = self.args
+            warnings.warn(
+                f"BandGRPOTrainer: with num_iterations={a.num_iterations}, steps_per_generation="
+                f"{a.steps_per_generation} and gradient_accumulation_steps="
+                f"{a.gradient_accumulation_steps}, every generation batch is trained on with the "
+                f"weights that generated it, so the ratio pi/pi_old is 1 for every token and no "
+                f"ratio clip acts: the band (and the dual clip) never clips, and this trains plain "
+                f"on-policy GRPO. For the band to act, take several optimiser steps per generation: "
+                f"num_iterations=2 (or more), or steps_per_generation > "
+                f"gradient_accumulation_steps.", UserWarning, stacklevel=2)
 
     # -- the loss ---------------------------------------------------------------------------
 
+    def _upper_cap(self) -> Optional[float]:
+        """The cap of the band's upper bound that the loss really applies: band_max_ratio, and TRL's
+        delta, which caps coef_1 for every token (so the band must not exceed it either)."""
+        caps = [c for c in (self.args.band_max_ratio, self.args.delta) if c is not None]
+        return min(caps) if caps else None
+
     def _band_metric_kwargs(self) -> dict:
         a = self.args
-        dual = a.delta if (a.delta is not None and a.delta > 1) else None
         if a.band_clip == "band":
             return dict(clip="band", delta=a.band_delta, divergence=a.band_divergence,
-                        max_ratio=a.band_max_ratio, dual_clip=dual)
+                        max_ratio=self._upper_cap(), dual_clip=a.delta)
         return dict(clip="fixed", eps_low=float(self.epsilon_low),
-                    eps_high=float(self.epsilon_high), dual_clip=dual)
+                    eps_high=float(self.epsilon_high), dual_clip=a.delta)
 
     def _compute_loss(self, model, inputs):
         captured = []
@@ -210,6 +293,7 @@ class BandGRPOTrainer(GRPOTrainer):
 
         old = inputs.get("old_per_token_logps")
         saved = (self.epsilon_low, self.epsilon_high)
+        patched_before = "_get_per_token_logps_and_entropies" in self.__dict__
         if self.args.band_clip == "band" and old is not None:
             # (old is None means TRL uses the current log-probs: ratio == 1, nothing to clip.)
             with torch.no_grad():
@@ -218,14 +302,17 @@ class BandGRPOTrainer(GRPOTrainer):
                 log_p_old = torch.clamp(old.detach(), max=0.0)
                 lo, up = bandpo_lut.bounds(log_p_old=log_p_old, delta=self.args.band_delta,
                                            divergence=self.args.band_divergence,
-                                           max_ratio=self.args.band_max_ratio)
+                                           max_ratio=self._upper_cap())
             self.epsilon_low = _BandEdge(lo.to(old.dtype), "low")
             self.epsilon_high = _BandEdge(up.to(old.dtype), "high")
         self._get_per_token_logps_and_entropies = capture
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
-            del self._get_per_token_logps_and_entropies
+            if patched_before:  # someone else's wrapper of this instance: put it back
+                self._get_per_token_logps_and_entropies = policy_forward
+            else:
+                del self._get_per_token_logps_and_entropies
             self.epsilon_low, self.epsilon_high = saved
         if captured:
             self._record_band_counts(inputs, captured[0], old)

@@ -1,6 +1,9 @@
 """BandPO for verl: importing this module registers the policy loss ``"bandpo"``.
 
-Tested with verl 0.9.1 (see ``requirements-integrations.txt``). What a verl user adds::
+Tested with the verl versions in `TESTED_VERL` (``requirements-integrations.txt``); the version
+policy is TRL's: another version whose loss convention matches imports with a warning, one where it
+differs is refused at import. What a verl user adds (the last four lines are the defaults, the
+paper's settings)::
 
     actor_rollout_ref.actor.policy_loss.loss_mode=bandpo
     actor_rollout_ref.actor.policy_loss._target_=bandpo_lut.integrations.verl.BandPolicyLossConfig
@@ -15,8 +18,13 @@ How it fits verl:
   ``verl.trainer.ppo.core_algos.get_policy_loss_fn("bandpo")`` is `compute_policy_loss_bandpo`.
 - **Settings.** verl builds its config dataclasses strictly (an unknown key fails), so the band
   settings live in a subclass of verl's ``PolicyLossConfig``, `BandPolicyLossConfig`, named by the
-  ``_target_`` of the ``policy_loss`` section; the ``+`` tells Hydra the keys are new. Unknown or
-  invalid band settings fail when verl builds the config, with a message naming the key.
+  ``_target_`` of the ``policy_loss`` section; the ``+`` tells Hydra the keys are new. Defaults are
+  the paper's (kl, δ = 0.05, cap 10, dual clip 10). Unknown or invalid band settings (δ outside the
+  shipped table's range, a divergence without a compiled kernel, cap < 1, dual clip <= 1) fail when
+  verl builds the config -- in the driver's ``validate_config``, before any worker starts -- with a
+  message naming the key; so does ``_target_`` without ``loss_mode=bandpo``. Once this module is
+  imported (e.g. by ``VERL_USE_EXTERNAL_MODULES``), band keys under verl's own ``PolicyLossConfig``
+  (a missing ``_target_``) fail with a message saying to set it.
 - **Import in the workers.** verl instantiates the actor config (and so imports this module through
   the ``_target_``) in the driver and in every worker process that builds an actor, i.e. exactly
   where the loss is looked up. No further switch is needed; verl's own hooks work too, e.g.
@@ -46,18 +54,18 @@ How it fits verl:
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import logging
-import math
-import warnings
 from dataclasses import dataclass, fields
-from numbers import Real
 from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 
 import bandpo_lut
+
+from ._common import PAPER, check_band, check_framework, is_number
 
 try:
     import verl
@@ -73,6 +81,8 @@ __all__ = ["BandPolicyLossConfig", "compute_policy_loss_bandpo", "LOSS_NAME", "T
 
 LOSS_NAME = "bandpo"
 TESTED_VERL = ("0.9.1",)
+TARGET = "bandpo_lut.integrations.verl.BandPolicyLossConfig"
+_SECTION = "actor_rollout_ref.actor.policy_loss"
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +107,7 @@ def _check_verl_convention() -> None:
                         f"this integration implements {_EXPECTED_LOSS_PARAMS}")
     if agg is None or not set(_EXPECTED_AGG_PARAMS) <= set(inspect.signature(agg).parameters):
         problems.append(f"verl's agg_loss no longer takes the global batch info {_EXPECTED_AGG_PARAMS}")
-    if problems:
-        raise ImportError(f"bandpo_lut.integrations.verl supports verl {', '.join(TESTED_VERL)}; the "
-                          f"installed verl {version} differs: " + "; ".join(problems))
-    if version not in TESTED_VERL:
-        warnings.warn(f"bandpo_lut.integrations.verl was tested with verl {', '.join(TESTED_VERL)}, "
-                      f"not {version}; its policy-loss convention matches, so it is used anyway",
-                      stacklevel=3)
+    check_framework("verl", version, TESTED_VERL, problems)
 
 
 _check_verl_convention()
@@ -117,23 +121,21 @@ _CLIPS = ("band", "fixed", "dcpo")
 _MODES = ("clip", "mask")
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, Real) and not isinstance(x, bool)
-
-
 @dataclass
 class BandPolicyLossConfig(PolicyLossConfig):
     """verl's ``PolicyLossConfig`` plus the BandPO settings (``actor.policy_loss`` section).
 
     Select it with ``actor_rollout_ref.actor.policy_loss._target_=`` this class and
     ``loss_mode=bandpo``; set the fields below with ``+actor_rollout_ref.actor.policy_loss.<field>=``.
+    The defaults are the paper's settings.
 
     Args:
-        band_delta (float): trust-region radius δ (paper: 0.05).
-        band_divergence (str): f-divergence of the trust region, "kl" (paper), "tv" or "chi2".
-        band_max_ratio (Optional[float]): cap on the upper ratio bound (paper: 10); None = no cap.
+        band_delta (float): trust-region radius δ (paper: 0.05), within the shipped table's range.
+        band_divergence (str): f-divergence of the trust region, one with a compiled kernel: "kl"
+            (paper), "tv", "chi2" or "hellinger".
+        band_max_ratio (Optional[float]): cap on the upper ratio bound (paper: 10); null = no cap.
         band_dual_clip (Optional[float]): dual-clip constant c > 1 for A < 0 tokens (paper: 10);
-            None = off. (verl's ``actor.clip_ratio_c`` belongs to the vanilla loss and is not used.)
+            null = off. (verl's ``actor.clip_ratio_c`` belongs to the vanilla loss and is not used.)
         band_clip (str): "band" (BandPO), or a baseline through the same kernel: "fixed" (PPO/DAPO
             with verl's ``actor.clip_ratio_low`` / ``clip_ratio_high``) or "dcpo" (DCPO's dynamic
             bounds, with the same two ε).
@@ -143,10 +145,10 @@ class BandPolicyLossConfig(PolicyLossConfig):
     """
 
     loss_mode: str = LOSS_NAME
-    band_delta: float = 0.05
-    band_divergence: str = "kl"
-    band_max_ratio: Optional[float] = None
-    band_dual_clip: Optional[float] = None
+    band_delta: float = PAPER["delta"]
+    band_divergence: str = PAPER["divergence"]
+    band_max_ratio: Optional[float] = PAPER["max_ratio"]
+    band_dual_clip: Optional[float] = PAPER["dual_clip"]
     band_clip: str = "band"
     band_mode: str = "clip"
     band_log_counts: bool = False
@@ -173,30 +175,22 @@ class BandPolicyLossConfig(PolicyLossConfig):
             parent_post_init()
         _validate_band_settings(self)
         if self.loss_mode != LOSS_NAME:
-            logger.warning("policy_loss is a %s but loss_mode=%r: the band settings are unused "
-                           "(set actor_rollout_ref.actor.policy_loss.loss_mode=%s)",
-                           type(self).__name__, self.loss_mode, LOSS_NAME)
+            raise ValueError(
+                f"{_SECTION}._target_ is {type(self).__name__} (BandPO's settings) but "
+                f"{_SECTION}.loss_mode={self.loss_mode!r}, so verl would run its {self.loss_mode!r} "
+                f"loss and ignore the band. Add {_SECTION}.loss_mode={LOSS_NAME} (or, for verl's "
+                f"own loss, drop the _target_ and the band_* keys)")
 
 
 def _validate_band_settings(cfg) -> None:
-    name = "actor.policy_loss"
-    delta = cfg.band_delta
-    if not (_is_number(delta) and 0 < delta < math.inf):
-        raise ValueError(f"{name}.band_delta must be a positive number, got {delta!r}")
-    divergence = cfg.band_divergence
-    from bandpo_lut import divergences  # the registry of the band math
-
-    if not isinstance(divergence, str) or divergence not in divergences.names():
-        raise ValueError(f"{name}.band_divergence must be one of {divergences.names()}, "
-                         f"got {divergence!r}")
-    if cfg.band_max_ratio is not None and not (_is_number(cfg.band_max_ratio)
-                                               and cfg.band_max_ratio >= 1):
-        raise ValueError(f"{name}.band_max_ratio must be null or a number >= 1, "
-                         f"got {cfg.band_max_ratio!r}")
-    if cfg.band_dual_clip is not None and not (_is_number(cfg.band_dual_clip)
+    """Everything `compute_policy_loss_bandpo` would refuse at its first call, now, naming the key."""
+    name = _SECTION
+    check_band(cfg.band_divergence, cfg.band_delta, cfg.band_max_ratio,
+               field={k: f"{name}.band_{k}" for k in ("divergence", "delta", "max_ratio")})
+    if cfg.band_dual_clip is not None and not (is_number(cfg.band_dual_clip)
                                                and cfg.band_dual_clip > 1):
-        raise ValueError(f"{name}.band_dual_clip must be null or a number > 1, "
-                         f"got {cfg.band_dual_clip!r}")
+        raise ValueError(f"{name}.band_dual_clip must be null (off) or a number > 1 (paper: "
+                         f"{PAPER['dual_clip']:g}), got {cfg.band_dual_clip!r}")
     if cfg.band_clip not in _CLIPS:
         raise ValueError(f"{name}.band_clip must be one of {_CLIPS}, got {cfg.band_clip!r}")
     if cfg.band_mode not in _MODES:
@@ -205,8 +199,34 @@ def _validate_band_settings(cfg) -> None:
         raise ValueError(f"{name}.band_log_counts must be true or false, got {cfg.band_log_counts!r}")
 
 
+def _install_missing_target_hint() -> None:
+    """Band keys under verl's own PolicyLossConfig (no ``_target_``) fail with dataclass's bare
+    "unexpected keyword argument"; once this module is imported, say what to add instead. Only
+    that failing call changes: any other construction of PolicyLossConfig runs verl's __init__."""
+    original = PolicyLossConfig.__init__
+    if getattr(original, "_bandpo_hint", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        band = sorted(k for k in kwargs if k.startswith("band_"))
+        if band and type(self) is PolicyLossConfig:
+            raise TypeError(
+                f"{_SECTION} has BandPO settings ({', '.join(band)}) but its _target_ is verl's "
+                f"PolicyLossConfig, which has no such fields. Add "
+                f"{_SECTION}._target_={TARGET} (and {_SECTION}.loss_mode={LOSS_NAME})")
+        original(self, *args, **kwargs)
+
+    __init__._bandpo_hint = True
+    PolicyLossConfig.__init__ = __init__
+
+
+_install_missing_target_hint()
+
+
 _DEFAULTS = {f.name: f.default for f in fields(BandPolicyLossConfig) if f.name.startswith("band_")}
 _warned_plain_config = False
+_validated_plain: set = set()
 
 
 def _band_settings(policy_loss_cfg) -> dict:
@@ -223,13 +243,16 @@ def _band_settings(policy_loss_cfg) -> dict:
             v = getter(k, None)
             if v is not None:
                 out[k] = v
+    key = tuple(sorted(out.items()))
+    if key not in _validated_plain:  # once per distinct setting, not at every loss call
+        _validate_band_settings(SimpleNamespace(**out))
+        _validated_plain.add(key)
     if not _warned_plain_config:
         _warned_plain_config = True
         logger.warning("loss_mode=bandpo without BandPolicyLossConfig: using the default band "
-                       "settings where none are given (%s). Set actor_rollout_ref.actor.policy_loss."
-                       "_target_=bandpo_lut.integrations.verl.BandPolicyLossConfig to set them.",
-                       out)
-    _validate_band_settings(SimpleNamespace(**out))
+                       "settings (the paper's) where none are given: %s. Set %s._target_=%s to set "
+                       "them in the config (and have them checked when it is built).",
+                       out, _SECTION, TARGET)
     return out
 
 

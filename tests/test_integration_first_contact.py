@@ -1,0 +1,89 @@
+"""First contact (issue 12, item 9): what `import bandpo_lut` costs, and what the README's first
+commands leave behind.
+
+These need neither verl nor TRL, so BANDPO_SKIP_INTEGRATIONS does not skip them.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import bandpo_lut
+
+PACKAGE_ROOT = Path(bandpo_lut.__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]
+
+# The target is 0.3 s beyond `import torch`; the bound leaves room for a loaded, shared machine.
+IMPORT_BOUND_S = 1.0
+
+
+def _importtime(code: str) -> dict[str, int]:
+    """Run `code` in a fresh interpreter with -X importtime: {module: cumulative microseconds}."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    times = {}
+    for line in out.stderr.splitlines():
+        m = re.match(r"import time:\s+\d+ \|\s+(\d+) \| (\s*)(\S+)$", line)
+        if m:
+            times[m.group(3)] = int(m.group(1))
+    return times
+
+
+def test_import_bandpo_lut_does_not_import_dynamo():
+    times = _importtime("import bandpo_lut")
+    assert "bandpo_lut" in times
+    heavy = sorted(m for m in times if m == "torch._dynamo" or m.startswith("torch._dynamo."))
+    assert not heavy, (f"import bandpo_lut imports torch._dynamo ({len(heavy)} modules); import "
+                       f"it on first use instead")
+
+
+def test_import_bandpo_lut_costs_little_beyond_torch():
+    code = ("import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
+            "import bandpo_lut; print(time.perf_counter() - t1)")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), env.get("PYTHONPATH", "")])
+    costs = []
+    for _ in range(2):  # the best of two: the machine is shared
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        costs.append(float(out.stdout.split()[-1]))
+    assert min(costs) < IMPORT_BOUND_S, (f"import bandpo_lut took {min(costs):.2f} s beyond "
+                                         f"import torch (target 0.3 s)")
+
+
+def test_integrations_package_imports_no_trainer():
+    """`bandpo_lut.integrations` itself imports neither framework (nor transformers)."""
+    times = _importtime("import bandpo_lut.integrations, bandpo_lut.integrations._common")
+    for framework in ("trl", "verl", "transformers", "ray", "hydra"):
+        assert framework not in times, framework
+
+
+def _git_tracked(path: Path) -> bool:
+    out = subprocess.run(["git", "ls-files", "--error-unmatch", str(path)], cwd=REPO,
+                         capture_output=True, text=True)
+    return out.returncode == 0
+
+
+def test_demo_default_figure_is_not_a_tracked_file():
+    """`bandpo-lut demo --quick` from the repository root must not overwrite docs/demo.png."""
+    import argparse
+
+    from bandpo_lut import demo
+
+    if subprocess.run(["git", "rev-parse"], cwd=REPO, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout: nothing is tracked")
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    default = parser.parse_args([]).out
+    assert default is not None and not default.is_absolute()
+    assert not _git_tracked(default), f"the demo's default figure {default} is a tracked file"
+    assert _git_tracked(Path("docs/demo.png"))  # (the check above can fail)
