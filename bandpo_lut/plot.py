@@ -38,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap the upper bounds of the bands and DCPO (default: none)")
     parser.add_argument("--no-baselines", action="store_true",
                         help="leave out PPO clip, clip-higher and DCPO")
-    parser.add_argument("--out", type=Path, default=Path("docs/bands.png"),
-                        help="output file, .png or .svg by suffix (default docs/bands.png)")
+    parser.add_argument("--out", type=Path, default=Path("bandpo-bands.png"),
+                        help="output file, .png or .svg by suffix (default bandpo-bands.png in the current "
+                             "directory; the README's figure is made with --out docs/bands.png)")
 
 
 def run(args: argparse.Namespace) -> int:
