@@ -28,6 +28,7 @@ the field; `bandpo_lut.tables` uses it for the fields that describe the table's 
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -266,8 +267,8 @@ def _why_checksum_fails(header: dict, payload: bytes, source: str) -> str:
         return f"{kind} table: payload has {len(payload)} bytes, header declares {total} (file_sha256 mismatch)"
     if header.get("payload_sha256") != hashlib.sha256(payload).hexdigest():
         return "corrupt table: the payload's sha256 does not match its header (damaged on disk or in transfer)"
-    return ("the table header was edited after the table was written: file_sha256, which covers the whole "
-            "header, does not match")
+    return ("the table was edited after it was written: file_sha256, which covers the whole header and the "
+            "payload, does not match (the payload matches payload_sha256, so the header was changed)")
 
 
 def read(path: str | os.PathLike) -> TableFile:
@@ -281,8 +282,10 @@ def check_writable(path: str | os.PathLike) -> None:
     folders are created, as `write_atomic` would."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        raise IsADirectoryError(21, "is a directory", path)
+        raise IsADirectoryError(errno.EISDIR, "it is a folder", path)
     directory = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(errno.ENOTDIR, f"{directory} is not a folder", path)
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".bplut", dir=directory)
     os.close(fd)

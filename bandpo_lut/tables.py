@@ -41,7 +41,8 @@ class Axis:
                  f("n", "int", check=lambda v: v >= 4, expect="an integer >= 4"),
                  float(f("step", "number", check=lambda v: v > 0, expect="a positive number")))
         if abs(ax.min + (ax.n - 1) * ax.step - ax.max) > 1e-9 * max(1, abs(ax.max)):
-            raise TableFormatError(f"{source}: grid axis {name!r} is inconsistent: min + (n - 1) * step = "
+            fields = ", ".join(f"'grid.{name}.{k}'" for k in ("min", "max", "n", "step"))
+            raise TableFormatError(f"{source}: header fields {fields} disagree: min + (n - 1) * step = "
                                    f"{ax.min + (ax.n - 1) * ax.step!r}, but max = {ax.max!r}")
         return ax
 
@@ -84,8 +85,8 @@ class Table:
         for end in ("min", "max"):
             want = math.log(h["delta_range"][end])
             if abs(getattr(s, end) - want) > 1e-12 * max(1.0, abs(want)):
-                raise TableFormatError(f"{source}: header field 'grid.s.{end}': expected log(delta_range.{end}) = "
-                                       f"{want!r}, got {getattr(s, end)!r} (the δ range and the grid disagree)")
+                raise TableFormatError(f"{source}: header fields 'grid.s.{end}' and 'delta_range.{end}' disagree: "
+                                       f"grid.s.{end} = {getattr(s, end)!r}, but log(delta_range.{end}) = {want!r}")
         f("values.upper.kind", "str", check=lambda v: v == "q", expect="'q' (the readers store q_up = p*r_up)")
         f("values.lower.kind", "str", check=lambda v: v == div.lower_value,
           expect=f"{div.lower_value!r}, the lower value of divergence {name!r}")
