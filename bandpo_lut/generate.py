@@ -66,6 +66,15 @@ def add_arguments(parser):
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _uneven_t_grid(t_max, t_density):
+    """Why -t_max..t_max in steps of 1/t_density is not a grid, or None if it is."""
+    steps = 2 * t_max * t_density
+    if abs(steps - round(steps)) > 1e-9 * steps:
+        return (f"the grid runs from -T to T in steps of 1/t_density, so 2 * T * t_density must be a whole number; "
+                f"got 2 * {t_max:g} * {t_density} = {steps:g}")
+    return None
+
+
 def _check_args(a):
     """The checks that involve several arguments (argparse has checked each alone); raises UsageError."""
     from .cli import UsageError
@@ -73,10 +82,9 @@ def _check_args(a):
     div = divergences.get(a.divergence)
     if not a.delta_min < a.delta_max:
         raise UsageError(f"--delta-min/--delta-max: expected min < max, got {a.delta_min:g} and {a.delta_max:g}")
-    steps = 2 * a.t_max * a.t_density
-    if abs(steps - round(steps)) > 1e-9 * steps:
-        raise UsageError(f"--t-max: the grid runs from -T to T in steps of 1/t_density, so 2 * T * t_density must "
-                         f"be a whole number; got 2 * {a.t_max:g} * {a.t_density} = {steps:g}")
+    uneven = _uneven_t_grid(a.t_max, a.t_density)
+    if uneven:
+        raise UsageError(f"--t-max: {uneven}")
     if not _tails_hold(div, a.t_max, a.delta_min, a.delta_max):
         need = _smallest_t_max(div, a.t_max, a.delta_min, a.delta_max)
         valid = (f"need T >= {need:g}; valid: {need:g} <= T <= {T_MAX_LIMIT:g}" if need is not None else
@@ -171,7 +179,10 @@ def generate(divergence, *, t_max, t_density, delta_min, delta_max, s_nodes, gho
              accuracy_points, workers=0, progress=True, seed=DEFAULTS["seed"], command=None):
     """Compute the table; returns the encoded file bytes (deterministic for given arguments)."""
     div = divergences.get(divergence)
-    if not _tails_hold(div, t_max, delta_min, delta_max):   # cheap; checked before the long computation
+    uneven = _uneven_t_grid(t_max, t_density)           # both checks are cheap: made before the long computation
+    if uneven:
+        raise ValueError(f"generate: t_max={t_max:g}: {uneven}")
+    if not _tails_hold(div, t_max, delta_min, delta_max):
         raise ValueError(f"generate: t_max={t_max:g} is too small for {div.name!r} with delta in [{delta_min:g}, "
                          f"{delta_max:g}]: the readers' tail rules (upper = 1/p above, lower = 0 below) would "
                          "not hold")

@@ -44,7 +44,7 @@ MAGIC = b"\x89BPLUT\r\n\x1a\n"
 FORMAT_VERSION = 2
 _PREFIX = len(MAGIC) + 8
 _ALIGN = 16
-_DTYPES = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8")}
+DTYPES = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8")}
 CHECKSUM_KEY = "file_sha256"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 # The one interpolation scheme the readers (reference and compiled) implement.
@@ -138,15 +138,15 @@ def _array_specs(header: dict, source: str) -> list[dict]:
         header_field(header, base, "object", source)
         name = header_field(header, base + ".name", "str", source, check=lambda v: v not in names,
                             expect="a name no other array has")
-        dtype = header_field(header, base + ".dtype", "str", source, check=lambda v: v in _DTYPES,
-                             expect=f"one of {sorted(_DTYPES)}")
+        dtype = header_field(header, base + ".dtype", "str", source, check=lambda v: v in DTYPES,
+                             expect=f"one of {sorted(DTYPES)}")
         shape = header_field(header, base + ".shape", "list", source,
                              check=lambda v: all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
                                                  for x in v),
                              expect="a list of non-negative integers")
         header_field(header, base + ".offset", "int", source, check=lambda v: v == offset,
                      expect=f"{offset} (arrays are packed in order)")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype].itemsize
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
         header_field(header, base + ".nbytes", "int", source, check=lambda v: v == nbytes,
                      expect=f"{nbytes} (its shape times its dtype's size)")
         names.add(name)
@@ -162,10 +162,10 @@ def encode(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
     header = {k: v for k, v in header.items() if k != CHECKSUM_KEY}
     specs, chunks, offset = [], [], 0
     for name, arr in arrays.items():
-        dtype_name = next((k for k, v in _DTYPES.items() if v == np.dtype(arr.dtype).newbyteorder("<")), None)
+        dtype_name = next((k for k, v in DTYPES.items() if v == np.dtype(arr.dtype).newbyteorder("<")), None)
         if dtype_name is None:
             raise TypeError(f"array {name!r}: unsupported dtype {arr.dtype}")
-        data = np.ascontiguousarray(arr, dtype=_DTYPES[dtype_name]).tobytes()
+        data = np.ascontiguousarray(arr, dtype=DTYPES[dtype_name]).tobytes()
         specs.append({"name": name, "dtype": dtype_name, "shape": list(arr.shape), "offset": offset,
                       "nbytes": len(data)})
         chunks.append(data)
@@ -249,7 +249,7 @@ def decode(blob: bytes, source: str = "<bytes>") -> TableFile:
         raise TableFormatError(f"{source}: payload has {len(payload)} bytes, header declares {total}")
     arrays = {}
     for spec in specs:
-        dt = _DTYPES[spec["dtype"]]
+        dt = DTYPES[spec["dtype"]]
         shape = tuple(spec["shape"])
         count = int(np.prod(shape, dtype=np.int64))
         arrays[spec["name"]] = np.frombuffer(payload, dtype=dt, count=count, offset=spec["offset"]).reshape(shape)

@@ -94,8 +94,8 @@ class Table:
           expect=f"{table_format.INTERPOLATION_SCHEME!r}, the scheme the readers implement")
         for key in ("upper_newton_steps", "lower_newton_steps"):
             f(f"refinement.{key}", "int", check=lambda v: 0 <= v <= 16, expect="an integer in [0, 16]")
-        dtype = f("storage_dtype", "str", check=lambda v: v in table_format._DTYPES,
-                  expect=f"one of {sorted(table_format._DTYPES)}")
+        dtype = f("storage_dtype", "str", check=lambda v: v in table_format.DTYPES,
+                  expect=f"one of {sorted(table_format.DTYPES)}")
         for key in ("name", "version", "command"):
             f(f"generator.{key}", "str")
         if f("accuracy", "object", optional=True) is not None:
@@ -106,7 +106,7 @@ class Table:
             if arr is None or arr.shape != (t.n + 2, s.n + 2):
                 got = "missing" if arr is None else f"of shape {arr.shape}"
                 raise TableFormatError(f"{source}: array {key!r} is {got}; the grid needs shape {(t.n + 2, s.n + 2)}")
-            if arr.dtype != table_format._DTYPES[dtype]:
+            if arr.dtype != table_format.DTYPES[dtype]:
                 raise TableFormatError(f"{source}: array {key!r} is {arr.dtype.name}, but header field "
                                        f"'storage_dtype' says {dtype}")
         return cls(source, h, tf.arrays["upper"], tf.arrays["lower"], t, s, div)
