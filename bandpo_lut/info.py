@@ -32,7 +32,7 @@ def run(args) -> int:
         rng = t["delta_range"]
         close = "]" if rng.get("max_inclusive", True) else ")"
         print(f"  {name}: {t['path']}\n"
-              f"     sha256 {t['sha256']} (whole file: header and payload; format version {t['format_version']})\n"
+              f"     sha256 {t['sha256']} (file_sha256: header and payload; format version {t['format_version']})\n"
               f"     payload sha256 {t['payload_sha256']}\n"
               f"     delta in [{rng['min']:g}, {rng['max']:g}{close}; measured upper {acc.get('upper_max_rel_error')}, "
               f"lower {acc.get('lower_max_error')} ({acc.get('points')} points)\n"

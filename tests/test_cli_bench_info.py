@@ -28,7 +28,7 @@ def test_info_text_and_json(capsys):
 
     assert main(["info"]) == 0
     text = capsys.readouterr().out
-    assert "with_cuda" in text and "kl:" in text and "sha256" in text and "whole file" in text
+    assert "with_cuda" in text and "kl:" in text and "sha256" in text and "file_sha256: header and payload" in text
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert set(info["tables"]) >= {"kl", "tv", "chi2"}
