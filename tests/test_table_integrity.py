@@ -24,6 +24,7 @@ SMALL = dict(t_max=10.0, t_density=4, delta_min=0.05, delta_max=0.5, s_nodes=6, 
              dtype="float32", accuracy_points=20, workers=1, progress=False)
 _MAGIC_LEN = 10
 _PREFIX = _MAGIC_LEN + 8
+_DELETE = object()      # as a value for `_set`: remove the field
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +64,6 @@ def _set(header: dict, path: str, value) -> dict:
     else:
         node[last] = value
     return h
-
-
-_DELETE = object()
 
 
 def _refused(path, blob, *must_contain):
