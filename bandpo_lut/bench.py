@@ -27,16 +27,42 @@ import torch
 
 
 def add_arguments(parser):
+    from .cli import int_at_least
+
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--n", type=int, default=2 ** 22, help="elements for the clip rows")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
-    parser.add_argument("--accuracy-points", type=int, default=300)
+    parser.add_argument("--n", type=int_at_least(1), default=2 ** 22, help="elements for the clip rows")
+    parser.add_argument("--batch", type=int_at_least(1), default=64)
+    parser.add_argument("--tokens", type=int_at_least(1), default=8192)
+    parser.add_argument("--repeats", type=int_at_least(1), default=20)
+    parser.add_argument("--threads", type=int_at_least(1), default=2, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--accuracy-points", type=int_at_least(0), default=300, help="0 skips the accuracy rows")
     parser.add_argument("--skip-bisection", action="store_true", help="the bisection row takes seconds")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+
+
+def _check_args(args):
+    """The checks argparse cannot make alone (the device, the --json path); raises UsageError before any
+    timing starts. Returns the torch.device."""
+    from .cli import UsageError
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UsageError(f"--device: unknown device {args.device!r} (expected cpu or cuda)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: no CUDA device is available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device: expected cpu or cuda, got {args.device!r}")
+    if args.json is not None:
+        if os.path.isdir(args.json):
+            raise UsageError(f"--json: cannot write {args.json}: is a directory")
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            raise UsageError(f"--json: cannot write {args.json}: folder {folder} does not exist")
+    return device
 
 
 def _sync(device):
@@ -171,14 +197,7 @@ def run(args) -> int:
     import bandpo_lut
     from bandpo_lut import accuracy
 
-    if args.n < 1 or args.repeats < 1 or args.batch < 1 or args.tokens < 1:
-        raise SystemExit("bandpo-lut bench: --n, --repeats, --batch and --tokens must be positive")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise SystemExit(f"bandpo-lut bench: --device: unknown device {args.device!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bandpo-lut bench: --device cuda: no CUDA device is available")
+    device = _check_args(args)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     n, reps = args.n, args.repeats

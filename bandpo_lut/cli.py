@@ -2,11 +2,17 @@
 
 Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; importing them lazily
 keeps `bandpo-lut --help` fast and keeps heavy imports (matplotlib, mpmath) out of unrelated commands.
+
+Errors a user can cause print one line and no traceback: a bad argument, found by argparse or by a
+command's `run` (which raises `UsageError`), prints the usage and `bandpo-lut COMMAND: error: ...` and
+exits 2, as argparse does; a file that cannot be read or written, or a bad table, prints
+`bandpo-lut COMMAND: error: ...` and exits 1; Ctrl-C prints `bandpo-lut COMMAND: interrupted` and exits 130.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 
 # name -> (module, one-line help)
@@ -20,6 +26,11 @@ SUBCOMMANDS = {
 }
 
 
+class UsageError(Exception):
+    """A bad command-line argument that a command finds in `run` (e.g. one that depends on another, or an
+    output path that cannot be written); the message names the argument. Reported like argparse's errors."""
+
+
 def max_ratio_arg(text: str) -> float | None:
     """argparse type of --max-ratio (demo, plot): a number >= 1, or 'none' for no cap."""
     if text.lower() == "none":
@@ -30,20 +41,75 @@ def max_ratio_arg(text: str) -> float | None:
     return value
 
 
+def int_at_least(lo: int):
+    """argparse type: an integer >= lo."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
+        return value
+    return parse
+
+
+def number_in(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False):
+    """argparse type: a finite number in [lo, hi] (or (lo, hi] with lo_open); a missing end is unbounded."""
+    left = "(" if lo_open else "["
+    what = ("a finite number" if lo is None and hi is None else
+            f"a number > {lo:g}" if hi is None and lo_open else
+            f"a number >= {lo:g}" if hi is None else
+            f"a number in {left}{lo:g}, {hi:g}]")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        ok = math.isfinite(value) and (lo is None or (value > lo if lo_open else value >= lo)) and \
+            (hi is None or value <= hi)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="bandpo-lut", description="BandPO trust-region ratio bounds.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    chosen = argv[0] if argv and argv[0] in SUBCOMMANDS else None
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sp = sub.add_parser(name, help=help_text, description=help_text)
-        if name == chosen:
-            importlib.import_module(module_name).add_arguments(sp)
-    args = parser.parse_args(argv)
-    module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    try:
+        parser = argparse.ArgumentParser(prog="bandpo-lut", description="BandPO trust-region ratio bounds.")
+        sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+        sub.required = True
+        parsers = {}
+        for name, (module_name, help_text) in SUBCOMMANDS.items():
+            sp = parsers[name] = sub.add_parser(name, help=help_text, description=help_text)
+            if name == command:
+                importlib.import_module(module_name).add_arguments(sp)
+        args = parser.parse_args(argv)
+        module = importlib.import_module(SUBCOMMANDS[args.command][0])
+        try:
+            return int(module.run(args) or 0)
+        except UsageError as e:
+            parsers[args.command].error(str(e))     # usage + "bandpo-lut COMMAND: error: ...", exit 2
+        except OSError as e:                        # a file that cannot be read or written
+            print(f"bandpo-lut {args.command}: error: {e}", file=sys.stderr)
+            return 1
+        except ValueError as e:
+            from .table_format import TableFormatError
+            if not isinstance(e, TableFormatError):
+                raise
+            print(f"bandpo-lut {args.command}: error: {e}", file=sys.stderr)
+            return 1
+    except KeyboardInterrupt as e:
+        detail = f"; {e}" if str(e) else ""
+        print(f"bandpo-lut{' ' + command if command else ''}: interrupted{detail}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as `python -m bandpo_lut.cli`: call the main of the imported module `bandpo_lut.cli`, not of this
+    # `__main__` copy, so that the commands' `UsageError` is the class `main` catches.
+    from bandpo_lut.cli import main as _main
+    sys.exit(_main())

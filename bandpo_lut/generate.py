@@ -23,7 +23,9 @@ from __future__ import annotations
 import math
 import multiprocessing as mp_proc
 import os
+import signal
 import sys
+import threading
 import time
 
 import mpmath
@@ -37,38 +39,59 @@ DEFAULTS = dict(t_max=14.0, t_density=16, delta_min=1e-3, delta_max=1.0, s_nodes
 EXCLUSIVE_DELTA_MAX = {"tv"}
 
 
+# Largest --t-max: the tail checks evaluate p = sigmoid(±T) in float64, where exp(T) must stay finite.
+T_MAX_LIMIT = 700.0
+
+
 def add_arguments(parser):
-    parser.add_argument("--divergence", "-d", required=True, help=f"one of {divergences.names()}")
+    from .cli import int_at_least, number_in
+
+    parser.add_argument("--divergence", "-d", required=True, choices=divergences.names(),
+                        help=f"one of {divergences.names()}")
     parser.add_argument("--out", "-o", default=None, help="output file (default: tables/DIVERGENCE.bplut)")
-    parser.add_argument("--t-max", type=float, default=DEFAULTS["t_max"], help="grid covers |logit p| <= T")
-    parser.add_argument("--t-density", type=int, default=DEFAULTS["t_density"],
+    parser.add_argument("--t-max", type=number_in(0, T_MAX_LIMIT, lo_open=True), default=DEFAULTS["t_max"],
+                        help="grid covers |logit p| <= T; the tails need T large enough for the divergence and "
+                             "delta range (the error says how large)")
+    parser.add_argument("--t-density", type=int_at_least(1), default=DEFAULTS["t_density"],
                         help="nodes per unit of logit p (a power of two keeps the spacing exact)")
-    parser.add_argument("--delta-min", type=float, default=DEFAULTS["delta_min"])
-    parser.add_argument("--delta-max", type=float, default=DEFAULTS["delta_max"])
-    parser.add_argument("--s-nodes", type=int, default=DEFAULTS["s_nodes"], help="nodes in log(delta)")
-    parser.add_argument("--ghost", type=int, default=DEFAULTS["ghost"], help="extra fit nodes beyond each edge")
-    parser.add_argument("--dps", type=int, default=DEFAULTS["dps"], help="mpmath working digits (>= 30)")
+    parser.add_argument("--delta-min", type=number_in(0, lo_open=True), default=DEFAULTS["delta_min"])
+    parser.add_argument("--delta-max", type=number_in(0, lo_open=True), default=DEFAULTS["delta_max"])
+    parser.add_argument("--s-nodes", type=int_at_least(4), default=DEFAULTS["s_nodes"], help="nodes in log(delta)")
+    parser.add_argument("--ghost", type=int_at_least(0), default=DEFAULTS["ghost"],
+                        help="extra fit nodes beyond each edge")
+    parser.add_argument("--dps", type=int_at_least(30), default=DEFAULTS["dps"], help="mpmath working digits")
     parser.add_argument("--dtype", choices=("float32", "float64"), default=DEFAULTS["dtype"])
-    parser.add_argument("--accuracy-points", type=int, default=DEFAULTS["accuracy_points"])
-    parser.add_argument("--workers", type=int, default=0, help="processes (default: all cores)")
+    parser.add_argument("--accuracy-points", type=int_at_least(0), default=DEFAULTS["accuracy_points"])
+    parser.add_argument("--workers", type=int_at_least(0), default=0, help="processes (default: all cores)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _uneven_t_grid(t_max, t_density):
+    """Why -t_max..t_max in steps of 1/t_density is not a grid, or None if it is."""
+    steps = 2 * t_max * t_density
+    if abs(steps - round(steps)) > 1e-9 * steps:
+        return (f"the grid runs from -T to T in steps of 1/t_density, so 2 * T * t_density must be a whole number; "
+                f"got 2 * {t_max:g} * {t_density} = {steps:g}")
+    return None
+
+
 def _check_args(a):
+    """The checks that involve several arguments (argparse has checked each alone); raises UsageError."""
+    from .cli import UsageError
+
     div = divergences.get(a.divergence)
-    errors = []
-    if not (a.t_max > 0 and math.isfinite(a.t_max)):
-        errors.append("--t-max: expected a positive number")
-    if a.t_density < 1:
-        errors.append("--t-density: expected >= 1")
-    if not (0 < a.delta_min < a.delta_max):
-        errors.append("--delta-min/--delta-max: expected 0 < min < max")
-    if a.s_nodes < 4:
-        errors.append("--s-nodes: expected >= 4")
-    if a.ghost < 0 or a.dps < 30 or a.accuracy_points < 0 or a.workers < 0:
-        errors.append("--ghost >= 0, --dps >= 30, --accuracy-points >= 0, --workers >= 0 expected")
-    if errors:
-        raise SystemExit("bandpo-lut generate: " + "; ".join(errors))
+    if not a.delta_min < a.delta_max:
+        raise UsageError(f"--delta-min/--delta-max: expected min < max, got {a.delta_min:g} and {a.delta_max:g}")
+    uneven = _uneven_t_grid(a.t_max, a.t_density)
+    if uneven:
+        raise UsageError(f"--t-max: {uneven}")
+    if not _tails_hold(div, a.t_max, a.delta_min, a.delta_max):
+        need = _smallest_t_max(div, a.t_max, a.delta_min, a.delta_max)
+        valid = (f"need T >= {need:g}; valid: {need:g} <= T <= {T_MAX_LIMIT:g}" if need is not None else
+                 f"do not hold for any T <= {T_MAX_LIMIT:g}; narrow the delta range")
+        raise UsageError(f"--t-max: {a.t_max:g} is too small for {div.name!r} with delta in [{a.delta_min:g}, "
+                         f"{a.delta_max:g}]: the readers' tail rules (upper = 1/p above T, lower = 0 below -T) "
+                         f"{valid}")
     return div
 
 
@@ -134,10 +157,35 @@ def _fit(values, ghost_t, ghost_s):
     return out
 
 
+def _ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _pool_ignoring_sigint(ctx, workers):
+    """A process pool whose workers ignore SIGINT. Ctrl-C reaches the terminal's whole process group; only
+    the parent should react (with one KeyboardInterrupt, which terminates the pool on leaving its `with`),
+    not every worker with a traceback of its own. Forked workers inherit the ignoring disposition from
+    their birth (no window before the initializer runs); spawned ones get it from the initializer."""
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+    try:
+        return ctx.Pool(workers, initializer=_ignore_sigint)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous)
+
+
 def generate(divergence, *, t_max, t_density, delta_min, delta_max, s_nodes, ghost, dps, dtype,
              accuracy_points, workers=0, progress=True, seed=DEFAULTS["seed"], command=None):
     """Compute the table; returns the encoded file bytes (deterministic for given arguments)."""
     div = divergences.get(divergence)
+    uneven = _uneven_t_grid(t_max, t_density)           # both checks are cheap: made before the long computation
+    if uneven:
+        raise ValueError(f"generate: t_max={t_max:g}: {uneven}")
+    if not _tails_hold(div, t_max, delta_min, delta_max):
+        raise ValueError(f"generate: t_max={t_max:g} is too small for {div.name!r} with delta in [{delta_min:g}, "
+                         f"{delta_max:g}]: the readers' tail rules (upper = 1/p above, lower = 0 below) would "
+                         "not hold")
     h_t = 1.0 / t_density
     n_t = int(round(2 * t_max * t_density)) + 1
     s_min, s_max = math.log(delta_min), math.log(delta_max)
@@ -158,20 +206,22 @@ def generate(divergence, *, t_max, t_density, delta_min, delta_max, s_nodes, gho
             bar = tqdm(total=len(jobs), desc=f"{div.name}: rows of log(delta)", unit="row", file=sys.stderr)
         except ImportError:
             bar = None
-    if workers > 1:
-        ctx = mp_proc.get_context("spawn" if sys.platform == "darwin" else "fork")
-        with ctx.Pool(workers) as pool:
-            for r in pool.imap(_row, jobs, chunksize=1):
-                results.append(r)
+    try:
+        if workers > 1:
+            ctx = mp_proc.get_context("spawn" if sys.platform == "darwin" else "fork")
+            with _pool_ignoring_sigint(ctx, workers) as pool:
+                for r in pool.imap(_row, jobs, chunksize=1):
+                    results.append(r)
+                    if bar:
+                        bar.update()
+        else:
+            for job in jobs:
+                results.append(_row(job))
                 if bar:
                     bar.update()
-    else:
-        for job in jobs:
-            results.append(_row(job))
-            if bar:
-                bar.update()
-    if bar:
-        bar.close()
+    finally:
+        if bar:
+            bar.close()
     with mpmath.workdps(dps):
         up_vals = [[mpmath.mpf(a) for a, _ in row] for row in results]
         lo_vals = [[mpmath.mpf(b) for _, b in row] for row in results]
@@ -204,7 +254,7 @@ def generate(divergence, *, t_max, t_density, delta_min, delta_max, s_nodes, gho
                       else "q_lo = p * r_lo (continued root past saturation); r_lo = clamp(q_lo, 0, p) / p, "
                            "and 0 where p*f(0) + (1-p)*f(1/(1-p)) <= delta"},
         },
-        "interpolation": {"scheme": "tensor-product uniform cubic B-spline in (t, s)",
+        "interpolation": {"scheme": table_format.INTERPOLATION_SCHEME,
                           "coefficients": "array[i, j] is the coefficient of the B-spline centred at node "
                                           "(i - 1, j - 1); shape (n_t + 2, n_s + 2)",
                           "fit": f"interpolating at every node; natural end conditions imposed {ghost} ghost "
@@ -223,7 +273,6 @@ def generate(divergence, *, t_max, t_density, delta_min, delta_max, s_nodes, gho
         },
     }
     blob = table_format.encode(header, arrays)
-    _check_edges(blob, div)
     if accuracy_points:
         header["accuracy"] = _measure(blob, div, accuracy_points, seed, t_max)
         blob = table_format.encode(header, arrays)
@@ -244,21 +293,41 @@ def _table_from_blob(blob, div):
     return tables.Table.from_file(table_format.decode(blob), f"<generated {div.name}>")
 
 
-def _check_edges(blob, div):
-    """The readers' tail rules hold: saturated/1/p upper beyond t_max, 0 lower below -t_max."""
-    table = _table_from_blob(blob, div)
+def _tail_deltas(delta_min, delta_max, inclusive):
+    """17 values of δ spread evenly in log δ over the table's range (the top one inside an open range)."""
+    hi = delta_max if inclusive else math.nextafter(delta_max, 0)
+    return [min(max(math.exp(s), delta_min), hi)
+            for s in np.linspace(math.log(delta_min), math.log(delta_max), 17)]
+
+
+def _tails_hold(div, t_max, delta_min, delta_max):
+    """The readers' tail rules hold for a grid |t| <= t_max: at p = sigmoid(t_max) the upper bound is 1/p,
+    and at p = sigmoid(-t_max) the lower bound is below 1e-300, for every δ of the range (17 checked)."""
+    p_hi = 1 / (1 + math.exp(-t_max))
+    p_lo = 1 / (1 + math.exp(t_max))
     with mpmath.workdps(40):
-        for s in np.linspace(table.s.min, table.s.max, 17):
-            d = math.exp(s)
-            if not table.delta_in_range(d):
-                d = math.nextafter(table.delta_max, 0)
-            p_hi = 1 / (1 + math.exp(-table.t.max))
-            p_lo = 1 / (1 + math.exp(table.t.max))
+        for d in _tail_deltas(delta_min, delta_max, div.name not in EXCLUSIVE_DELTA_MAX):
             lo, _ = exact.bounds(p_lo, d, div.name)
             _, up = exact.bounds(p_hi, d, div.name)
             if not (lo < 1e-300 and abs(up * p_hi - 1) < 1e-16):
-                raise ValueError(f"generate: --t-max {table.t.max:g} is too small for {div.name!r} at delta={d:g}: "
-                                 "the readers' tail rules (upper = 1/p above, lower = 0 below) would not hold")
+                return False
+    return True
+
+
+def _smallest_t_max(div, t_max, delta_min, delta_max):
+    """The smallest T > t_max (to 0.01, rounded up) for which the tail rules hold; None if none up to
+    T_MAX_LIMIT does."""
+    if not _tails_hold(div, T_MAX_LIMIT, delta_min, delta_max):
+        return None
+    lo, hi = t_max, T_MAX_LIMIT
+    probe = max(2 * t_max, 8.0)
+    while probe < hi and not _tails_hold(div, probe, delta_min, delta_max):
+        lo, probe = probe, 2 * probe
+    hi = min(probe, hi)
+    while hi - lo > 0.01:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if _tails_hold(div, mid, delta_min, delta_max) else (mid, hi)
+    return math.ceil(hi * 100) / 100
 
 
 def _measure(blob, div, n, seed, t_max):
@@ -277,15 +346,24 @@ def _measure(blob, div, n, seed, t_max):
 
 
 def run(args) -> int:
+    from .cli import UsageError
+
     div = _check_args(args)
     out = args.out or os.path.join("tables", f"{div.name}.bplut")
-    blob = generate(div.name, t_max=args.t_max, t_density=args.t_density, delta_min=args.delta_min,
-                    delta_max=args.delta_max, s_nodes=args.s_nodes, ghost=args.ghost, dps=args.dps,
-                    dtype=args.dtype, accuracy_points=args.accuracy_points, workers=args.workers,
-                    progress=not args.quiet)
-    table_format.write_atomic(out, blob)
-    h = table_format.decode(blob).header
+    try:
+        table_format.check_writable(out)          # before the minutes of computing, not after
+    except OSError as e:
+        raise UsageError(f"--out: cannot write {out}: {e.strerror or e}") from None
+    try:
+        blob = generate(div.name, t_max=args.t_max, t_density=args.t_density, delta_min=args.delta_min,
+                        delta_max=args.delta_max, s_nodes=args.s_nodes, ghost=args.ghost, dps=args.dps,
+                        dtype=args.dtype, accuracy_points=args.accuracy_points, workers=args.workers,
+                        progress=not args.quiet)
+        table_format.write_atomic(out, blob)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"no table written ({out} unchanged)") from None
+    h = table_format.decode(blob, out).header
     acc = h.get("accuracy", {})
-    print(f"wrote {out} ({len(blob)} bytes, sha256 {h['payload_sha256'][:16]}...); measured upper "
+    print(f"wrote {out} ({len(blob)} bytes, sha256 {h[table_format.CHECKSUM_KEY][:16]}...); measured upper "
           f"{acc.get('upper_max_rel_error', 'n/a')}, lower {acc.get('lower_max_error', 'n/a')}")
     return 0

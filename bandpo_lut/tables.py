@@ -31,13 +31,19 @@ class Axis:
     step: float
 
     @classmethod
-    def from_header(cls, h: dict, source: str, name: str) -> "Axis":
-        try:
-            ax = cls(float(h["min"]), float(h["max"]), int(h["n"]), float(h["step"]))
-        except (KeyError, TypeError, ValueError):
-            raise TableFormatError(f"{source}: grid axis {name!r} is malformed") from None
-        if ax.n < 4 or not ax.step > 0 or abs(ax.min + (ax.n - 1) * ax.step - ax.max) > 1e-9 * max(1, abs(ax.max)):
-            raise TableFormatError(f"{source}: grid axis {name!r} is inconsistent (min, max, n, step)")
+    def from_header(cls, header: dict, source: str, name: str) -> "Axis":
+        """The grid axis header["grid"][name], checked: n >= 4 nodes, a positive step, min + (n-1)·step = max."""
+        def f(key, kind, **kw):
+            return table_format.header_field(header, f"grid.{name}.{key}", kind, source, **kw)
+
+        table_format.header_field(header, f"grid.{name}", "object", source)
+        ax = cls(float(f("min", "number")), float(f("max", "number")),
+                 f("n", "int", check=lambda v: v >= 4, expect="an integer >= 4"),
+                 float(f("step", "number", check=lambda v: v > 0, expect="a positive number")))
+        if abs(ax.min + (ax.n - 1) * ax.step - ax.max) > 1e-9 * max(1, abs(ax.max)):
+            fields = ", ".join(f"'grid.{name}.{k}'" for k in ("min", "max", "n", "step"))
+            raise TableFormatError(f"{source}: header fields {fields} disagree: min + (n - 1) * step = "
+                                   f"{ax.min + (ax.n - 1) * ax.step!r}, but max = {ax.max!r}")
         return ax
 
 
@@ -57,22 +63,52 @@ class Table:
 
     @classmethod
     def from_file(cls, tf: table_format.TableFile, source: str) -> "Table":
+        """Check every header field a reader uses (names, types, and agreement with the divergence registry
+        and with each other); raises TableFormatError naming `source` and the field."""
         h = tf.header
-        name = h["divergence"].get("name") if isinstance(h["divergence"], dict) else None
+
+        def f(path, kind, **kw):
+            return table_format.header_field(h, path, kind, source, **kw)
+
+        name = f("divergence.name", "str")
         if name not in divergences.REGISTRY:
-            raise TableFormatError(f"{source}: table is for unknown divergence {name!r}")
+            raise TableFormatError(f"{source}: header field 'divergence.name': table is for unknown divergence "
+                                   f"{name!r} (known: {divergences.names()})")
         div = divergences.get(name)
-        if h["divergence"].get("formula") != div.formula:
-            raise TableFormatError(f"{source}: table's f ({h['divergence'].get('formula')!r}) differs from the "
-                                   f"registered {name!r} ({div.formula!r})")
-        t = Axis.from_header(h["grid"].get("t", {}), source, "t")
-        s = Axis.from_header(h["grid"].get("s", {}), source, "s")
+        f("divergence.formula", "str", check=lambda v: v == div.formula,
+          expect=f"the registered {name!r} f, {div.formula!r}")
+        d_min = f("delta_range.min", "number", check=lambda v: v > 0, expect="a positive number")
+        f("delta_range.max", "number", check=lambda v: v > d_min, expect=f"a number above delta_range.min ({d_min!r})")
+        f("delta_range.max_inclusive", "bool")
+        t = Axis.from_header(h, source, "t")
+        s = Axis.from_header(h, source, "s")
+        for end in ("min", "max"):
+            want = math.log(h["delta_range"][end])
+            if abs(getattr(s, end) - want) > 1e-12 * max(1.0, abs(want)):
+                raise TableFormatError(f"{source}: header fields 'grid.s.{end}' and 'delta_range.{end}' disagree: "
+                                       f"grid.s.{end} = {getattr(s, end)!r}, but log(delta_range.{end}) = {want!r}")
+        f("values.upper.kind", "str", check=lambda v: v == "q", expect="'q' (the readers store q_up = p*r_up)")
+        f("values.lower.kind", "str", check=lambda v: v == div.lower_value,
+          expect=f"{div.lower_value!r}, the lower value of divergence {name!r}")
+        f("interpolation.scheme", "str", check=lambda v: v == table_format.INTERPOLATION_SCHEME,
+          expect=f"{table_format.INTERPOLATION_SCHEME!r}, the scheme the readers implement")
+        for key in ("upper_newton_steps", "lower_newton_steps"):
+            f(f"refinement.{key}", "int", check=lambda v: 0 <= v <= 16, expect="an integer in [0, 16]")
+        dtype = f("storage_dtype", "str", check=lambda v: v in table_format.DTYPES,
+                  expect=f"one of {sorted(table_format.DTYPES)}")
+        for key in ("name", "version", "command"):
+            f(f"generator.{key}", "str")
+        if f("accuracy", "object", optional=True) is not None:
+            f("accuracy.tolerance", "number", check=lambda v: v >= 0, expect="a non-negative number",
+              optional=True)
         for key in ("upper", "lower"):
             arr = tf.arrays.get(key)
             if arr is None or arr.shape != (t.n + 2, s.n + 2):
-                raise TableFormatError(f"{source}: array {key!r} missing or not of shape {(t.n + 2, s.n + 2)}")
-        if h["values"].get("lower", {}).get("kind") != div.lower_value:
-            raise TableFormatError(f"{source}: lower-bound value kind does not match divergence {name!r}")
+                got = "missing" if arr is None else f"of shape {arr.shape}"
+                raise TableFormatError(f"{source}: array {key!r} is {got}; the grid needs shape {(t.n + 2, s.n + 2)}")
+            if arr.dtype != table_format.DTYPES[dtype]:
+                raise TableFormatError(f"{source}: array {key!r} is {arr.dtype.name}, but header field "
+                                       f"'storage_dtype' says {dtype}")
         return cls(source, h, tf.arrays["upper"], tf.arrays["lower"], t, s, div)
 
     # --- δ range ------------------------------------------------------------------------------------
@@ -120,9 +156,16 @@ class Table:
         return cached
 
 
-def load(path: str | os.PathLike) -> Table:
-    """Read and validate a table file (refusing foreign, corrupt, truncated or too-new files)."""
-    return Table.from_file(table_format.read(path), str(path))
+def load(path: str | os.PathLike, divergence: str | None = None) -> Table:
+    """Read and validate a table file (refusing foreign, corrupt, truncated, edited, old-format or too-new
+    files). With `divergence`, the file must hold that divergence's table."""
+    table = Table.from_file(table_format.read(path), str(path))
+    if divergence is not None and table.divergence.name != divergence:
+        raise TableFormatError(f"{path}: expected the {divergence!r} table, found the {table.divergence.name!r} "
+                               f"table (header field 'divergence.name'; another divergence's file copied over "
+                               f"this one?); restore it or regenerate it with `bandpo-lut generate --divergence "
+                               f"{divergence} --out {path}`")
+    return table
 
 
 def shipped_dir() -> Path:
@@ -144,27 +187,32 @@ _shipped_lock = threading.Lock()
 def _load_shipped(divergence: str) -> Table:
     path = shipped_path(divergence)
     if not path.exists():
-        raise FileNotFoundError(f"divergence: no table shipped for {divergence!r} (looked for {path}); "
-                                f"generate one with `bandpo-lut generate --divergence {divergence}` and pass "
-                                f"it as table=bandpo_lut.tables.load(PATH)")
-    return load(path)
+        raise FileNotFoundError(
+            f"divergence: no table for {divergence!r} (looked for {path}). Generate it with `bandpo-lut generate "
+            f"--divergence {divergence} --out {path}` (the package's table folder, read by bandpo_lut.tables.get "
+            f"and the compiled ops), or generate it anywhere and read it with the reference reader: "
+            f"bandpo_lut.reference.bounds(..., table=bandpo_lut.tables.load(PATH))")
+    return load(path, divergence)
 
 
 def get(divergence: str) -> Table:
-    """The shipped table for `divergence`, loaded on first use and cached for the process."""
+    """The shipped table for `divergence`, loaded on first use and cached for the process; the file must hold
+    that divergence's table."""
     divergences.get(divergence)  # clear error for an unknown name
     with _shipped_lock:
         return _load_shipped(divergence)
 
 
 def provenance() -> dict:
-    """Each shipped table's path, sha256, generator, measured accuracy and δ range (or its load error)."""
+    """Each shipped table's path, whole-file sha256 (`sha256`, the header's file_sha256: it covers the header
+    and the payload), payload sha256, generator, measured accuracy and δ range (or its load error)."""
     out = {}
     for name in SHIPPED:
         try:
             h = get(name).header
-            out[name] = {"path": str(shipped_path(name)), "sha256": h["payload_sha256"], "generator": h["generator"],
-                         "accuracy": h.get("accuracy"), "delta_range": h["delta_range"]}
+            out[name] = {"path": str(shipped_path(name)), "sha256": h[table_format.CHECKSUM_KEY],
+                         "payload_sha256": h["payload_sha256"], "format_version": h["format"]["version"],
+                         "generator": h["generator"], "accuracy": h.get("accuracy"), "delta_range": h["delta_range"]}
         except (OSError, ValueError) as e:
             out[name] = {"error": str(e)}
     return out

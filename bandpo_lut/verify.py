@@ -4,7 +4,9 @@ For each file: evaluates the table with `bandpo_lut.reference.bounds` (float64) 
 points (p over its whole float range, δ over the table's range) against the 40-digit mpmath roots, prints
 the worst errors and where they occur, and checks on a dense grid (default 4000 values of p × 200 of δ)
 that the upper bound never increases with p nor decreases with δ, and the lower bound the opposite,
-beyond one unit in the last place. Exits 1 if any file fails to load or exceeds its stated tolerance.
+beyond one unit in the last place. Every file is reported, a bad one as FAILED with the reason (it does
+not stop the others); exits 1 if any file fails to load, exceeds its tolerance or is not monotone.
+`--tolerance` overrides the header's tolerance, 0 included (exact agreement in float64).
 """
 from __future__ import annotations
 
@@ -14,17 +16,21 @@ import sys
 import numpy as np
 
 from . import accuracy, tables
-from .table_format import TableFormatError
+from .table_format import CHECKSUM_KEY, TableFormatError
 
 
 def add_arguments(parser):
+    from .cli import int_at_least, number_in
+
     parser.add_argument("files", nargs="+", metavar="FILE", help=".bplut table files")
-    parser.add_argument("--points", type=int, default=2000, help="random off-grid points per table")
+    parser.add_argument("--points", type=int_at_least(1), default=2000, help="random off-grid points per table")
     parser.add_argument("--seed", type=int, default=12345)
-    parser.add_argument("--dense-p", type=int, default=4000, help="p values of the monotonicity grid")
-    parser.add_argument("--dense-delta", type=int, default=200, help="delta values of the monotonicity grid")
-    parser.add_argument("--tolerance", type=float, default=None,
-                        help="override the table's stated tolerance (default: its header's, else 1e-6)")
+    parser.add_argument("--dense-p", type=int_at_least(2), default=4000, help="p values of the monotonicity grid")
+    parser.add_argument("--dense-delta", type=int_at_least(2), default=200,
+                        help="delta values of the monotonicity grid")
+    parser.add_argument("--tolerance", type=number_in(0), default=None,
+                        help="largest error allowed, overriding the table's stated tolerance (default: its "
+                             "header's, else 1e-6); 0 demands exact agreement with mpmath in float64")
 
 
 def monotonicity_violations(table, n_p: int, n_delta: int):
@@ -58,9 +64,10 @@ def verify_file(path, points, seed, n_p, n_delta, tolerance=None, out=None) -> b
     try:
         table = tables.load(path)
     except (TableFormatError, OSError) as e:
-        print(f"FAIL {path}: {e}", file=out)
+        print(f"FAILED {path}: {e}", file=out)
         return False
-    tol = tolerance or float(table.header.get("accuracy", {}).get("tolerance", 1e-6))
+    stated = (table.header.get("accuracy") or {}).get("tolerance", 1e-6)
+    tol = float(stated if tolerance is None else tolerance)
     name = table.divergence.name
     p, d = accuracy.sample_points(points, table.delta_min, table.delta_max, seed, table.t.max,
                                   table.delta_max_inclusive)
@@ -70,9 +77,9 @@ def verify_file(path, points, seed, n_p, n_delta, tolerance=None, out=None) -> b
     mono = monotonicity_violations(table, n_p, n_delta)
     ok = eu <= tol and el <= tol and not any(mono)
     h = table.header
-    print(f"{'ok  ' if ok else 'FAIL'} {path}: divergence {name}, delta in [{table.delta_min:g}, "
+    print(f"{'ok    ' if ok else 'FAILED'} {path}: divergence {name}, delta in [{table.delta_min:g}, "
           f"{table.delta_max:g}{']' if table.delta_max_inclusive else ')'}, grid {table.t.n}x{table.s.n}, "
-          f"{h['storage_dtype']}, sha256 {h['payload_sha256'][:12]}", file=out)
+          f"{h['storage_dtype']}, sha256 {h[CHECKSUM_KEY][:12]}", file=out)
     print(f"     {points} random points vs mpmath: upper max rel err {eu:.2e} (p={p[iu]:.6g}, delta={d[iu]:.4g}); "
           f"lower max err {el:.2e} (p={p[il]:.6g}, delta={d[il]:.4g}); tolerance {tol:g}", file=out)
     print(f"     monotone on {n_p}x{n_delta}: violations beyond 1 ulp: upper-in-p {mono[0]}, lower-in-p {mono[1]}, "
@@ -81,8 +88,11 @@ def verify_file(path, points, seed, n_p, n_delta, tolerance=None, out=None) -> b
 
 
 def run(args) -> int:
-    if args.points < 1 or args.dense_p < 2 or args.dense_delta < 2:
-        raise SystemExit("bandpo-lut verify: --points >= 1, --dense-p >= 2 and --dense-delta >= 2 expected")
+    """Every file is checked and reported, whatever happened to the ones before; exit 1 if any failed."""
     results = [verify_file(f, args.points, args.seed, args.dense_p, args.dense_delta, args.tolerance)
                for f in args.files]
-    return 0 if all(results) else 1
+    failed = [f for f, ok in zip(args.files, results) if not ok]
+    if len(args.files) > 1:
+        print(f"verify: {len(args.files) - len(failed)} of {len(args.files)} files ok"
+              + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0

@@ -24,13 +24,19 @@ def test_unknown_command_is_an_error(capsys):
 
 
 def test_info_text_and_json(capsys):
+    from bandpo_lut import table_format, tables
+
     assert main(["info"]) == 0
     text = capsys.readouterr().out
-    assert "with_cuda" in text and "kl:" in text and "sha256" in text
+    assert "with_cuda" in text and "kl:" in text and "sha256" in text and "file_sha256: header and payload" in text
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert set(info["tables"]) >= {"kl", "tv", "chi2"}
     assert info["tables"]["kl"]["accuracy"]["upper_max_rel_error"] <= 2e-7
+    for name, t in info["tables"].items():       # the whole-file checksum, the one the reader verified
+        header = tables.load(t["path"], name).header
+        assert t["sha256"] == header["file_sha256"] != header["payload_sha256"] == t["payload_sha256"]
+        assert t["format_version"] == table_format.FORMAT_VERSION
 
 
 def test_bench_small_run(capsys):
@@ -43,14 +49,19 @@ def test_bench_small_run(capsys):
         assert row in out
 
 
-@pytest.mark.parametrize("bad, message", [(["--n", "0"], "must be positive"),
-                                          (["--device", "nope"], "unknown device"),
-                                          (["--device", "cuda:9"], "cuda")])
+@pytest.mark.parametrize("bad, message", [(["--n", "0"], "argument --n: expected an integer >= 1, got '0'"),
+                                          (["--threads", "0"], "argument --threads: expected an integer >= 1"),
+                                          (["--accuracy-points", "-1"], "argument --accuracy-points: expected"),
+                                          (["--device", "nope"], "--device: unknown device 'nope'"),
+                                          (["--device", "cuda:9"], "--device cuda:9")])
 def test_bench_bad_arguments(bad, message, capsys):
+    """argparse-style: usage, one error line naming the argument, exit 2 (before any timing)."""
     import torch
 
     if bad[-1].startswith("cuda") and torch.cuda.device_count() > 9:
         pytest.skip("this machine has a tenth GPU")
     with pytest.raises(SystemExit) as e:
         main(["bench"] + bad)
-    assert message in str(e.value.code)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: bandpo-lut bench") and f"bandpo-lut bench: error: {message}" in err, err

@@ -35,11 +35,13 @@ def test_generation_is_deterministic(small_blob):
 def test_header_records_provenance(small_blob):
     h = table_format.decode(small_blob).header
     for key in ("divergence", "grid", "values", "interpolation", "storage_dtype", "working_precision",
-                "generator", "accuracy", "payload_sha256", "banner", "delta_range"):
+                "generator", "accuracy", "payload_sha256", "file_sha256", "banner", "delta_range", "refinement",
+                "format"):
         assert key in h
     assert h["working_precision"]["dps"] == 30 and h["working_precision"]["library"] == "mpmath"
     assert h["divergence"]["formula"] == "f(u) = -log(u) + u - 1"
     assert "do not edit" in h["banner"]
+    assert h["format"]["version"] == table_format.FORMAT_VERSION
 
 
 def test_corrupt_truncated_foreign_and_newer_files_are_refused(small_blob, tmp_path):
@@ -85,7 +87,7 @@ def test_delta_outside_range_is_refused():
 def test_unknown_divergence_and_missing_table():
     with pytest.raises(ValueError, match="unknown divergence 'nope'"):
         ref_bounds(torch.tensor([0.5]), 0.05, "nope")
-    with pytest.raises(FileNotFoundError, match="no table shipped for 'reverse_kl'"):
+    with pytest.raises(FileNotFoundError, match="no table for 'reverse_kl'"):
         ref_bounds(torch.tensor([0.5]), 0.05, "reverse_kl")
 
 
