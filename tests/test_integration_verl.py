@@ -557,7 +557,7 @@ def test_example_launch_script_builds_the_papers_config(tmp_path):
     out = tmp_path / "args.txt"
     env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}",
                ARGS_OUT=str(out), HOME=str(tmp_path))
-    script = Path(PACKAGE_ROOT) / "examples" / "verl_bandpo.sh"
+    script = Path(__file__).resolve().parents[1] / "examples" / "verl_bandpo.sh"   # the checkout's, not site-packages'
     subprocess.run(["bash", str(script), "trainer.total_epochs=1"], env=env, check=True,
                    timeout=60)
     args = out.read_text().splitlines()
