@@ -13,6 +13,14 @@
 
 namespace bandpo {
 
+// Threads per warp, for the GPU kernels' warp tiles and reductions (a ROCm port on CDNA, whose wavefronts are
+// 64 wide, changes this and the shuffle masks).
+#if defined(__HIP_PLATFORM_AMD__)
+constexpr int kWarpSize = 64;
+#else
+constexpr int kWarpSize = 32;
+#endif
+
 enum Divergence : int { kKL = 0, kTV = 1, kChi2 = 2, kHellinger = 3 };
 
 // The table as the kernels see it. Plain data: pointers and sizes only, no at::Tensor.
