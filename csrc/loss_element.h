@@ -79,6 +79,14 @@ BANDPO_HD acc_t mask_weight(const void* mask, int64_t i) {
   return acc_t(1);
 }
 
+// The same for a mask kind known only at run time.
+template <typename scalar_t, typename acc_t>
+BANDPO_HD acc_t mask_weight_any(int mask_kind, const void* mask, int64_t i) {
+  if (mask_kind == kMaskBytes) return mask_weight<kMaskBytes, scalar_t, acc_t>(mask, i);
+  if (mask_kind == kMaskFloat) return mask_weight<kMaskFloat, scalar_t, acc_t>(mask, i);
+  return acc_t(1);
+}
+
 template <typename T>
 struct TokenTerms {
   T value;       // w · loss_t (0 for w == 0)

@@ -33,12 +33,10 @@ struct RowInputs {
   const void* mask;       // the row's mask (L.mask_kind says how to read it) or null
 };
 
-// A token's weight, any mask kind (the generic loops; the float32 loops take MASK as a template argument).
+// A token's weight (the generic loops; the float32 loops take the mask kind as a template argument).
 template <typename scalar_t, typename acc_t>
 inline acc_t weight(const LossParams& L, const RowInputs<scalar_t>& in, int64_t i) {
-  if (L.mask_kind == kMaskBytes) return mask_weight<kMaskBytes, scalar_t, acc_t>(in.mask, i);
-  if (L.mask_kind == kMaskFloat) return mask_weight<kMaskFloat, scalar_t, acc_t>(in.mask, i);
-  return acc_t(1);
+  return mask_weight_any<scalar_t, acc_t>(L.mask_kind, in.mask, i);
 }
 
 // Bounds of tokens [i0, i0 + m) of a row into lo/up (the generic loops; float32 rows take row_f32).

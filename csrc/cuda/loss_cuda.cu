@@ -29,8 +29,12 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / kWarpSize;
-constexpr int kMaxK = 8;              // tokens per lane and tile, at most
+constexpr int kMaxK = 4;              // tokens per lane and tile, at most (loaded before any math)
 constexpr int kFinishThreads = 512;
+// Resident blocks of kThreads per SM that the element kernels are compiled for: 3 (at most 80 registers) for
+// float arithmetic, 2 (128) for double, whose band and tails need more.
+template <typename scalar_t>
+constexpr int kMinBlocks = sizeof(at::opmath_type<scalar_t>) == 8 ? 2 : 3;
 
 // The warp tiles of a (batch, T) problem: tiles_per_row tiles of k·kWarpSize tokens per row (the last may
 // be partial).
@@ -60,13 +64,6 @@ struct LossPointers {
   const void* mask;        // LossParams::mask_kind says how to read it
 };
 
-template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ acc_t weight_at(int mask_kind, const void* mask, int64_t i) {
-  if (mask_kind == kMaskBytes) return mask_weight<kMaskBytes, scalar_t, acc_t>(mask, i);
-  if (mask_kind == kMaskFloat) return mask_weight<kMaskFloat, scalar_t, acc_t>(mask, i);
-  return acc_t(1);
-}
-
 // One tile's inputs, loaded before any math (kMaxK tokens per lane in flight per operand).
 template <typename acc_t>
 struct TileInputs {
@@ -81,7 +78,7 @@ __device__ __forceinline__ void load_tile(const LossParams& L, const LossPointer
     const int64_t j = j0 + static_cast<int64_t>(k) * kWarpSize + lane;
     const bool ok = (k < t.k) & (j < t.n);
     const int64_t i = base + (ok ? j : 0);
-    x.w[k] = ok ? weight_at<scalar_t, acc_t>(L.mask_kind, in.mask, i) : acc_t(0);
+    x.w[k] = ok ? mask_weight_any<scalar_t, acc_t>(L.mask_kind, in.mask, i) : acc_t(0);
     x.lp[k] = ok ? static_cast<acc_t>(in.lp[i]) : acc_t(0);
     x.olp[k] = ok ? static_cast<acc_t>(in.olp[i]) : acc_t(0);
     x.adv[k] = ok ? static_cast<acc_t>(in.adv[i]) : acc_t(0);
@@ -139,7 +136,7 @@ struct CountAcc {
 
 // Pass 1. tile_sums: [per_row][rows] (Σ w·loss, Σ w) of each tile; block_counts: [gridDim.x][kNumCounts].
 template <typename scalar_t, int CELLS, bool WEIGHTED>
-__global__ void __launch_bounds__(kThreads, 2) loss_tokens_kernel(LossParams L, const void* cells_src, int n_cells,
+__global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>) loss_tokens_kernel(LossParams L, const void* cells_src, int n_cells,
                                                                   LossPointers<scalar_t> in, Tiles t,
                                                                   double2* tile_sums, double* block_counts) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -234,7 +231,7 @@ __global__ void __launch_bounds__(kFinishThreads) loss_finish_kernel(int agg, Ti
 }
 
 template <typename scalar_t, int CELLS>
-__global__ void __launch_bounds__(kThreads, 2) loss_grad_kernel(LossParams L, const void* cells_src, int n_cells,
+__global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>) loss_grad_kernel(LossParams L, const void* cells_src, int n_cells,
                                                                 LossPointers<scalar_t> in, Tiles t,
                                                                 const double* grad_loss, const double* row_scale,
                                                                 scalar_t* grad) {
