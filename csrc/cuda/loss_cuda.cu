@@ -32,9 +32,10 @@ constexpr int kWarpsPerBlock = kThreads / kWarpSize;
 constexpr int kMaxK = 4;              // tokens per lane and tile, at most (loaded before any math)
 constexpr int kFinishThreads = 512;
 // Resident blocks of kThreads per SM that the element kernels are compiled for: 3 (at most 80 registers) for
-// float arithmetic, 2 (128) for double, whose band and tails need more.
-template <typename scalar_t>
-constexpr int kMinBlocks = sizeof(at::opmath_type<scalar_t>) == 8 ? 2 : 3;
+// float arithmetic, 2 (128) for double, whose band and tails need more, and for the forward with a weighted
+// mask, whose twenty float64 count accumulators would spill at 80 (ptxas -v, sm_90).
+template <typename scalar_t, bool WEIGHTED = false>
+constexpr int kMinBlocks = (sizeof(at::opmath_type<scalar_t>) == 8 || WEIGHTED) ? 2 : 3;
 
 // The warp tiles of a (batch, T) problem: tiles_per_row tiles of k·kWarpSize tokens per row (the last may
 // be partial).
@@ -136,7 +137,7 @@ struct CountAcc {
 
 // Pass 1. tile_sums: [per_row][rows] (Σ w·loss, Σ w) of each tile; block_counts: [gridDim.x][kNumCounts].
 template <typename scalar_t, int CELLS, bool WEIGHTED>
-__global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>) loss_tokens_kernel(LossParams L, const void* cells_src, int n_cells,
+__global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t, WEIGHTED>) loss_tokens_kernel(LossParams L, const void* cells_src, int n_cells,
                                                                   LossPointers<scalar_t> in, Tiles t,
                                                                   double2* tile_sums, double* block_counts) {
   using acc_t = at::opmath_type<scalar_t>;
