@@ -87,6 +87,7 @@ def _loss_setup_context(ctx, inputs, output):
     # The settings the backward takes: delta_scalar .. mode (agg is folded into row_scale).
     ctx.params = inputs[_LOSS_FWD_ARGS.index("delta_scalar"):_LOSS_FWD_ARGS.index("agg")]
     ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)   # no zero tensors for the metrics' and row_scale's (absent) gradients
 
 
 def _loss_backward(ctx, grad_loss, grad_metrics, grad_row_scale):
@@ -94,7 +95,7 @@ def _loss_backward(ctx, grad_loss, grad_metrics, grad_row_scale):
     named = dict.fromkeys(_LOSS_SAVED)
     named.update(zip(ctx.present, saved))
     grad = None
-    if ctx.needs_input_grad[0]:
+    if ctx.needs_input_grad[0] and grad_loss is not None:
         grad = ops.policy_loss_bwd(grad_loss, row_scale, *(named[k] for k in _LOSS_SAVED), *ctx.params)
     return (grad,) + (None,) * (len(_LOSS_FWD_ARGS) - 1)
 
