@@ -75,6 +75,8 @@ def ptxas_figures(arch: str) -> None:
     from torch.utils import cpp_extension
 
     nvcc = Path(cpp_extension.CUDA_HOME or "/usr/local/cuda") / "bin" / "nvcc"
+    if not nvcc.exists():
+        nvcc = Path(shutil.which("nvcc") or "nvcc")
     sm = arch.replace(".", "")
     includes = [f"-I{p}" for p in cpp_extension.include_paths(device_type="cuda")] + [f"-I{ROOT / 'csrc'}"]
     flags = ["-std=c++20", "-O3", "-DBANDPO_WITH_CUDA=1", "-D__CUDA_NO_HALF_OPERATORS__",
@@ -119,7 +121,9 @@ def demangle(sym: str) -> str:
     if not tool:
         return sym
     try:
-        return subprocess.run([tool, sym], capture_output=True, text=True).stdout.strip().replace("bandpo::", "")
+        name = subprocess.run([tool, sym], capture_output=True, text=True).stdout.strip()
+        name = re.sub(r"^void |bandpo::|\(anonymous namespace\)::", "", name)
+        return name.split("(", 1)[0]
     except OSError:
         return sym
 
