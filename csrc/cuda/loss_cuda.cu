@@ -1,14 +1,14 @@
 // CUDA implementation of the fused policy loss: bandpo_lut::policy_loss_fwd / policy_loss_bwd.
 //
-// Forward: two launches, whatever the batch, plus one small collapse the first time a (table, δ) is used.
+// Forward: two or three launches, whatever the batch, plus one small collapse the first time a (table, δ) is used.
 //  1. loss_tokens_kernel, a resident grid of warps walking warp tiles: a tile is K·32 consecutive tokens
 //     of one row (K <= kMaxK chosen so that a row is split evenly), so no grid dimension depends on the
 //     number of rows. Each warp writes its tile's Σ w·loss and Σ w; each thread accumulates the counts of
 //     all its tiles (integers as 32-bit integers when the mask is 0/1: exact and half the registers), and
 //     each block writes one row of count partials. No atomics.
-//  2. loss_finish_kernel, one block: per-row sums over the tiles in order, the counts over the blocks in
-//     order, then the finish shared with the CPU (loss_element.h): the aggregated loss, the metric vector
-//     and the backward's row scale.
+//  2. loss_rows_kernel (only when rows span several tiles): each row's sums over its tiles, in order; then
+//     loss_finish_kernel, one block: the rows and the counts over the blocks, in order, and the finish shared
+//     with the CPU (loss_element.h): the aggregated loss, the metric vector and the backward's row scale.
 // Every sum is formed in an order fixed by the shapes and the device: the loss is bit-identical run to run.
 // Backward: one element-wise launch over the same tiles.
 #include <ATen/ATen.h>
@@ -183,9 +183,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t, WEIGHTED>) loss
   }
 }
 
-// Pass 2, one block. Writes the loss, the metric vector and row_scale (which first holds each row's Σ w).
+// Pass 2a (rows split into several tiles only): each row's (Σ w·loss, Σ w) over its tiles, in tile order.
+__global__ void __launch_bounds__(kThreads) loss_rows_kernel(Tiles t, const double2* tile_sums, double2* row_sums) {
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < t.rows;
+       b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    double s = 0.0, w = 0.0;
+    for (int64_t part = 0; part < t.per_row; ++part) {   // [part][row]: neighbouring threads read neighbours
+      const double2 v = tile_sums[part * t.rows + b];
+      s += v.x;
+      w += v.y;
+    }
+    row_sums[b] = make_double2(s, w);
+  }
+}
+
+// Pass 2b, one block. Writes the loss, the metric vector and row_scale (which first holds each row's Σ w).
 template <typename scalar_t>
-__global__ void __launch_bounds__(kFinishThreads) loss_finish_kernel(int agg, Tiles t, const double2* tile_sums,
+__global__ void __launch_bounds__(kFinishThreads) loss_finish_kernel(int agg, int64_t rows, const double2* row_sums,
                                                                     const double* block_counts, int n_blocks,
                                                                     scalar_t* loss, scalar_t* metrics,
                                                                     double* row_scale_out) {
@@ -195,15 +209,10 @@ __global__ void __launch_bounds__(kFinishThreads) loss_finish_kernel(int agg, Ti
   __shared__ LossTotals totals;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   LossTotals mine{};
-  for (int64_t b = threadIdx.x; b < t.rows; b += blockDim.x) {
-    double s = 0.0, w = 0.0;
-    for (int64_t part = 0; part < t.per_row; ++part) {
-      const double2 v = tile_sums[part * t.rows + b];
-      s += v.x;
-      w += v.y;
-    }
-    add_row(mine, s, w);
-    row_scale_out[b] = w;
+  for (int64_t b = threadIdx.x; b < rows; b += blockDim.x) {
+    const double2 v = row_sums[b];
+    add_row(mine, v.x, v.y);
+    row_scale_out[b] = v.y;
   }
   for (int blk = threadIdx.x; blk < n_blocks; blk += blockDim.x) {
     for (int k = 0; k < kNumCounts; ++k) mine.counts[k] += block_counts[static_cast<int64_t>(blk) * kNumCounts + k];
@@ -228,7 +237,7 @@ __global__ void __launch_bounds__(kFinishThreads) loss_finish_kernel(int agg, Ti
     totals = T;
   }
   __syncthreads();
-  for (int64_t b = threadIdx.x; b < t.rows; b += blockDim.x) row_scale_out[b] = row_scale(agg, totals, row_scale_out[b]);
+  for (int64_t b = threadIdx.x; b < rows; b += blockDim.x) row_scale_out[b] = row_scale(agg, totals, row_scale_out[b]);
 }
 
 template <typename scalar_t, int CELLS>
@@ -344,9 +353,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cuda(
     } else {
       block_counts = at::empty({0}, tile_sums.options());
     }
+    // One tile per row: the tile sums are the row sums; otherwise one grid-wide pass forms them (so that the
+    // single-block finish reads 16 bytes per row, not per tile).
+    const double2* row_sums = reinterpret_cast<const double2*>(tile_sums.data_ptr<double>());
+    at::Tensor rows_buf;
+    if (t.per_row > 1 && t.rows > 0) {
+      rows_buf = at::empty({2 * t.rows}, tile_sums.options());
+      const int row_blocks = static_cast<int>(std::min<int64_t>((t.rows + kThreads - 1) / kThreads,
+                                                                resident_blocks((const void*)loss_rows_kernel, kThreads,
+                                                                                0, device)));
+      loss_rows_kernel<<<row_blocks, kThreads, 0, stream>>>(t, row_sums,
+                                                             reinterpret_cast<double2*>(rows_buf.data_ptr<double>()));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      row_sums = reinterpret_cast<const double2*>(rows_buf.data_ptr<double>());
+    }
     loss_finish_kernel<scalar_t><<<1, kFinishThreads, 0, stream>>>(
-        L.agg, t, reinterpret_cast<const double2*>(tile_sums.data_ptr<double>()), block_counts.data_ptr<double>(),
-        blocks, out.loss.data_ptr<scalar_t>(), out.metrics.data_ptr<scalar_t>(), out.row_scale.data_ptr<double>());
+        L.agg, t.rows, row_sums, block_counts.data_ptr<double>(), blocks, out.loss.data_ptr<scalar_t>(),
+        out.metrics.data_ptr<scalar_t>(), out.row_scale.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {out.loss, out.metrics, out.row_scale};
