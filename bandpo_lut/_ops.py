@@ -68,38 +68,45 @@ torch.library.register_autograd("bandpo_lut::bounds", _bounds_backward, setup_co
 
 
 # ---- the fused policy loss ------------------------------------------------------------------------------
+# Sizes and tuple lengths come from the schemas (csrc/ops.cpp) and the metric list (loss_spec.METRICS), never
+# from literals; tests/test_loss_contract.py checks both against the C++ side.
+_LOSS_FWD = ops.policy_loss_fwd.default
+_LOSS_FWD_ARGS = [a.name for a in _LOSS_FWD._schema.arguments]
+_LOSS_SAVED = ("log_prob", "old_log_prob", "advantages", "mask", "delta")   # tensors the backward recomputes from
+
 
 @torch.library.register_fake("bandpo_lut::policy_loss_fwd")
-def _loss_fwd_fake(log_prob, old_log_prob, advantages, mask, delta, delta_scalar, table, grid, divergence,
-                   clip_kind, eps_low, eps_high, max_ratio, dual_clip, mode):
-    batch = log_prob.shape[0]
-    f64 = dict(dtype=torch.float64, device=log_prob.device)
-    return log_prob.new_empty(batch, **f64), log_prob.new_empty(batch, **f64), log_prob.new_empty(20, **f64)
+def _loss_fwd_fake(log_prob, *args):
+    from .loss_spec import METRICS
+
+    return (log_prob.new_empty(()), log_prob.new_empty(len(METRICS)),
+            log_prob.new_empty(log_prob.shape[0], dtype=torch.float64))
 
 
 @torch.library.register_fake("bandpo_lut::policy_loss_bwd")
-def _loss_bwd_fake(grad_row, log_prob, *args):
-    return torch.empty_like(log_prob)
+def _loss_bwd_fake(grad_loss, row_scale, log_prob, *args):
+    return log_prob.new_empty(log_prob.shape)   # contiguous, as the kernels write it
 
 
 def _loss_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*(t for t in inputs[:5] if t is not None))
-    ctx.has_mask, ctx.has_delta = inputs[3] is not None, inputs[4] is not None
-    ctx.params = inputs[5:]
-    row_w, counts = output[1], output[2]
-    ctx.mark_non_differentiable(row_w, counts)
+    named = dict(zip(_LOSS_FWD_ARGS, inputs))
+    present = [k for k in _LOSS_SAVED if named[k] is not None]
+    ctx.present = present
+    ctx.save_for_backward(*(named[k] for k in present), output[2])
+    # The settings the backward takes: delta_scalar .. mode (agg is folded into row_scale).
+    ctx.params = inputs[_LOSS_FWD_ARGS.index("delta_scalar"):_LOSS_FWD_ARGS.index("agg")]
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)   # no zero tensors for the metrics' and row_scale's (absent) gradients
 
 
-def _loss_backward(ctx, grad_row, grad_w, grad_counts):
-    saved = list(ctx.saved_tensors)
-    lp, olp, adv = saved[:3]
-    rest = saved[3:]
-    mask = rest.pop(0) if ctx.has_mask else None
-    delta = rest.pop(0) if ctx.has_delta else None
+def _loss_backward(ctx, grad_loss, grad_metrics, grad_row_scale):
+    *saved, row_scale = ctx.saved_tensors
+    named = dict.fromkeys(_LOSS_SAVED)
+    named.update(zip(ctx.present, saved))
     grad = None
-    if ctx.needs_input_grad[0]:
-        grad = ops.policy_loss_bwd(grad_row, lp, olp, adv, mask, delta, *ctx.params)
-    return (grad,) + (None,) * 14
+    if ctx.needs_input_grad[0] and grad_loss is not None:
+        grad = ops.policy_loss_bwd(grad_loss, row_scale, *(named[k] for k in _LOSS_SAVED), *ctx.params)
+    return (grad,) + (None,) * (len(_LOSS_FWD_ARGS) - 1)
 
 
 torch.library.register_autograd("bandpo_lut::policy_loss_fwd", _loss_backward, setup_context=_loss_setup_context)

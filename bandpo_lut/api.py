@@ -240,3 +240,15 @@ def clip(ratio, p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, max_
     a = prepare_args(p_old, log_p_old, delta, divergence, max_ratio, others=(("ratio", ratio),))
     return _ops().clip(ratio.to(a.dtype), a.prob, a.delta, a.delta_scalar, a.coefficients, list(a.grid),
                        a.divergence_id, a.log_input, a.max_ratio)
+
+
+class TableArgs(NamedTuple):
+    """A table as the ops take it (for tests and tools that call the ops directly)."""
+    coefficients: torch.Tensor
+    grid: list
+
+
+def table_args(divergence: str, device="cpu") -> TableArgs:
+    """The `table` and `grid` arguments of the ops for a shipped table on `device`."""
+    meta, coefficients = table_for(divergence, torch.empty(0, device=device))
+    return TableArgs(coefficients, list(meta.grid))

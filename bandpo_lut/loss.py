@@ -19,27 +19,11 @@ import torch
 
 from . import api as _api
 from . import divergences as _div
-from .reference import policy_loss as _spec
+from . import loss_spec as _spec
 
 COUNTS = _spec.COUNTS
 FRACTIONS = _spec.FRACTIONS
 metrics_from_counts = _spec.metrics_from_counts
-_CLIP_KIND = {"band": 0, "fixed": 1, "dcpo": 2}
-_MODE = {"clip": 0, "mask": 1}
-
-
-def _safe_div(num, den):
-    nonzero = den != 0
-    return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num))
-
-
-def _aggregate(row_sum, row_w, agg):
-    if agg == "token-mean":
-        return _safe_div(row_sum.sum(), row_w.sum())
-    if agg == "token-sum":
-        return row_sum.sum()
-    row_loss = _safe_div(row_sum, row_w) if agg == "seq-mean-token-mean" else row_sum
-    return _safe_div(row_loss.sum(), (row_w > 0).to(row_sum.dtype).sum())
 
 
 def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, divergence="kl", max_ratio=None,
@@ -47,11 +31,11 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
     """PPO-family policy loss with BandPO's band (default) or a baseline clip, fused.
 
     Args:
-        log_prob, old_log_prob, advantages: (batch, T) floating tensors on one device; the gradient flows
-            to `log_prob` only.
+        log_prob, old_log_prob, advantages: (batch, T) floating tensors on one device, any strides; the
+            gradient flows to `log_prob` only.
         mask: optional (batch, T) bool, integer or floating mask (values act as per-token weights).
-        delta, divergence: the band's radius (a number in the table's range, or a tensor broadcastable to
-            (batch, T)) and divergence ("kl", "tv", "chi2", "hellinger").
+        delta, divergence: the band's radius (a number in the table's range, or a floating tensor
+            broadcastable to (batch, T)) and divergence ("kl", "tv", "chi2", "hellinger").
         max_ratio: cap of the upper bound (the paper used 10). dual_clip: c > 1 caps the loss of A < 0
             tokens at -A·c.
         agg: "token-mean", "token-sum", "seq-mean-token-mean" or "seq-mean-token-sum".
@@ -62,17 +46,17 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
         (loss, metrics): a 0-dim loss, and a dict of 0-dim tensors: the fractions of FRACTIONS (clip_frac,
         clip_frac_upper, clip_frac_lower, dual_clip_frac, clip_frac_upper_lowprob, ppo_kl, band_width_mean,
         clip_frac_pXX_YY) and the raw counts of COUNTS.
+
+    One compiled op computes the loss (aggregated), every count and every fraction (a constant number of
+    kernel launches, in a fixed-order reduction: bit-identical run to run); the backward is one op too.
     """
-    eps_low, eps_high = _spec._check_args(log_prob, old_log_prob, advantages, mask, delta, divergence, max_ratio,
-                                          dual_clip, agg, clip, mode, eps_low, eps_high)
-    dtype = torch.promote_types(torch.promote_types(log_prob.dtype, old_log_prob.dtype), advantages.dtype)
-    dtype = torch.promote_types(dtype, torch.float32) if dtype in (torch.float16, torch.bfloat16) else dtype
-    lp = log_prob.to(dtype)
-    olp = old_log_prob.detach().to(dtype)
-    adv = advantages.detach().to(dtype)
-    if mask is not None:
-        mask = mask.detach()
-        mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(dtype)
+    eps_low, eps_high = _spec.check_args(log_prob, old_log_prob, advantages, mask, delta, divergence, max_ratio,
+                                         dual_clip, agg, clip, mode, eps_low, eps_high)
+    dtype = _spec.compute_dtype(log_prob, old_log_prob, advantages)
+    # No .detach(): the op's autograd gives old_log_prob, advantages, mask and delta no gradient.
+    lp, olp, adv = log_prob.to(dtype), old_log_prob.to(dtype), advantages.to(dtype)
+    if mask is not None and mask.dtype not in (torch.bool, dtype):
+        mask = mask.to(dtype)            # bool masks pass as bytes; others are weights
     div_name = divergence if clip == "band" else "kl"   # the other clips ignore the table
     div = _div.get(div_name)
     if div.compiled_id is None:
@@ -81,16 +65,14 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
     delta_t, delta_s = None, 0.0
     if clip == "band":
         if isinstance(delta, torch.Tensor):
-            delta_t = delta.detach().to(dtype).expand(lp.shape)
+            delta_t = delta.to(dtype)    # broadcast to (batch, T) inside the op
         else:
             delta_t, delta_s = _api.scalar_delta(delta, meta)
-    row_sum, row_w, counts = _api._ops().policy_loss_fwd(
-        lp, olp, adv, mask, delta_t, delta_s, coefficients, list(meta.grid), div.compiled_id, _CLIP_KIND[clip],
+    loss, metrics, _ = _api._ops().policy_loss_fwd(
+        lp, olp, adv, mask, delta_t, delta_s, coefficients, list(meta.grid), div.compiled_id, _spec.CLIP_ID[clip],
         float(eps_low or 0.0), float(eps_high or 0.0), math.inf if max_ratio is None else float(max_ratio),
-        0.0 if dual_clip is None else float(dual_clip), _MODE[mode])
-    loss = _aggregate(row_sum.to(dtype), row_w.to(dtype), agg)
-    counts = counts.to(dtype)
-    return loss, metrics_from_counts({name: counts[i] for i, name in enumerate(COUNTS)})
+        0.0 if dual_clip is None else float(dual_clip), _spec.MODE_ID[mode], _spec.AGG_ID[agg])
+    return loss, dict(zip(_spec.METRICS, metrics.unbind()))
 
 
 class BandPolicyLoss(torch.nn.Module):
@@ -102,8 +84,11 @@ class BandPolicyLoss(torch.nn.Module):
         self.settings = dict(delta=delta, divergence=divergence, max_ratio=max_ratio, dual_clip=dual_clip, agg=agg,
                              clip=clip, mode=mode, eps_low=eps_low, eps_high=eps_high)
         # Validate now, on a tiny input, so that a bad setting fails at construction, not mid-training.
-        z = torch.zeros(1, 1)
-        _spec._check_args(z, z, z, None, delta, divergence, max_ratio, dual_clip, agg, clip, mode, eps_low, eps_high)
+        if isinstance(delta, torch.Tensor):   # any (batch, T) that a per-token δ broadcasts to
+            z = torch.zeros(torch.broadcast_shapes(delta.shape, (1, 1))[-2:], device=delta.device)
+        else:
+            z = torch.zeros(1, 1)
+        _spec.check_args(z, z, z, None, delta, divergence, max_ratio, dual_clip, agg, clip, mode, eps_low, eps_high)
 
     def forward(self, log_prob, old_log_prob, advantages, mask=None):
         return policy_loss(log_prob, old_log_prob, advantages, mask, **self.settings)

@@ -14,6 +14,14 @@
 
 namespace bandpo {
 
+// Threads per warp, for the GPU kernels' warp tiles and reductions (a ROCm port on CDNA, whose wavefronts are
+// 64 wide, changes this and the shuffle masks).
+#if defined(__HIP_PLATFORM_AMD__)
+constexpr int kWarpSize = 64;
+#else
+constexpr int kWarpSize = 32;
+#endif
+
 // The table as the kernels see it. Plain data: pointers and sizes only, no at::Tensor.
 struct TableView {
   const float* coef;   // [2][nt + 2][ns + 2] B-spline coefficients: [0] q_up, [1] κ; row-major

@@ -12,7 +12,8 @@
 #include <cstring>
 
 // Everything is force-inlined: the CPU loops only vectorise when no call remains in their body.
-#if defined(__CUDACC__)
+// __HIPCC__: the same host-device functions under hipcc (ROCm).
+#if defined(__CUDACC__) || defined(__HIPCC__)
 #define BANDPO_HD __host__ __device__ __forceinline__
 #elif defined(__GNUC__)
 #define BANDPO_HD inline __attribute__((always_inline))

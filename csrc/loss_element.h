@@ -3,15 +3,19 @@
 // the specification); the counts are indexed as its COUNTS tuple.
 #pragma once
 
+#include <cstdint>
+
 #include "band_element.h"
 
 namespace bandpo {
 
+// The ids of the string options: their position in bandpo_lut/loss_spec.py's CLIPS, MODES and AGGS.
 enum ClipKind : int { kClipBand = 0, kClipFixed = 1, kClipDcpo = 2 };
 enum LossMode : int { kModeClip = 0, kModeMask = 1 };
+enum AggKind : int { kAggTokenMean = 0, kAggTokenSum = 1, kAggSeqMeanTokenMean = 2, kAggSeqMeanTokenSum = 3 };
 enum MaskKind : int { kMaskNone = 0, kMaskBytes = 1, kMaskFloat = 2 };
 
-// Indices into the counts vector (bandpo_lut.reference.policy_loss.COUNTS).
+// Indices into the counts vector (bandpo_lut.loss_spec.COUNTS).
 enum CountIndex : int {
   kNTokens = 0, kNClipped, kNClippedUpper, kNClippedLower, kNDualClipped, kNLowprobPos,
   kNClippedUpperLowprob, kPpoKlSum, kBandWidthSum, kNBandFinite,
@@ -19,21 +23,69 @@ enum CountIndex : int {
   kNClippedBucket0 = 15,   // 15..19: clipped tokens in those buckets
   kNumCounts = 20
 };
+constexpr int kNumBuckets = 5;
+
+// The fractions (loss_spec.FRACTIONS, in its order): count `num` / count `den`, 0 where den is 0. The op's
+// metric vector is the counts, then the fractions (loss_spec.METRICS).
+constexpr int kNumFractions = 7 + kNumBuckets;
+constexpr int kNumMetrics = kNumCounts + kNumFractions;
+struct FractionDef {
+  int num, den;
+};
+BANDPO_HD FractionDef fraction_def(int f) {
+  switch (f) {
+    case 0: return {kPpoKlSum, kNTokens};                   // ppo_kl
+    case 1: return {kNClipped, kNTokens};                   // clip_frac
+    case 2: return {kNClippedUpper, kNTokens};              // clip_frac_upper
+    case 3: return {kNClippedLower, kNTokens};              // clip_frac_lower
+    case 4: return {kNDualClipped, kNTokens};               // dual_clip_frac
+    case 5: return {kNClippedUpperLowprob, kNLowprobPos};   // clip_frac_upper_lowprob
+    case 6: return {kBandWidthSum, kNBandFinite};           // band_width_mean
+    default: return {kNClippedBucket0 + (f - 7), kNTokensBucket0 + (f - 7)};   // clip_frac_pXX_YY
+  }
+}
+
+// The lower edge of probability bucket k (loss_spec.BUCKETS; the last bucket includes p = 1).
+BANDPO_HD double bucket_edge(int k) {
+  switch (k) {
+    case 0: return 0.0;
+    case 1: return 0.2;
+    case 2: return 0.4;
+    case 3: return 0.6;
+    default: return 0.8;
+  }
+}
+
+constexpr double kLogRatioClamp = 20.0;   // loss_spec.LOG_RATIO_CLAMP
+constexpr double kLowProb = 0.2;          // loss_spec.LOWPROB
 
 struct LossParams {
-  BandParams band;       // the band (clip_kind == kClipBand); band.log_input is true (old log-probs)
+  BandParams band;       // the band (clip_kind == kClipBand; band.log_input is true) and the max_ratio cap
   int clip_kind;         // ClipKind
   double eps_low;        // fixed: [1 - eps_low, 1 + eps_high]; dcpo: its two constants
   double eps_high;
-  double max_ratio;      // cap of every upper bound (+inf: none)
   double dual_clip;      // c > 1, or 0 for no dual clip
   int mode;              // LossMode
+  int agg;               // AggKind
   int mask_kind;         // MaskKind
   bool per_token_delta;  // a δ tensor of the inputs' shape is given
 };
 
-constexpr double kLogRatioClamp = 20.0;
-constexpr double kLowProb = 0.2;
+// A token's weight from the mask (MASK: MaskKind): the one decoding of the mask for every backend.
+template <int MASK, typename scalar_t, typename acc_t>
+BANDPO_HD acc_t mask_weight(const void* mask, int64_t i) {
+  if (MASK == kMaskBytes) return static_cast<const uint8_t*>(mask)[i] ? acc_t(1) : acc_t(0);
+  if (MASK == kMaskFloat) return static_cast<acc_t>(static_cast<const scalar_t*>(mask)[i]);
+  return acc_t(1);
+}
+
+// The same for a mask kind known only at run time.
+template <typename scalar_t, typename acc_t>
+BANDPO_HD acc_t mask_weight_any(int mask_kind, const void* mask, int64_t i) {
+  if (mask_kind == kMaskBytes) return mask_weight<kMaskBytes, scalar_t, acc_t>(mask, i);
+  if (mask_kind == kMaskFloat) return mask_weight<kMaskFloat, scalar_t, acc_t>(mask, i);
+  return acc_t(1);
+}
 
 template <typename T>
 struct TokenTerms {
@@ -46,21 +98,24 @@ struct TokenTerms {
   bool clipped_upper, clipped_lower, dual_clipped;
 };
 
-// The bounds of the chosen clip at old log-probability olp.
-template <typename acc_t, bool TOKEN>
+// The bounds of the chosen clip at old log-probability olp, capped by max_ratio once (band_element caps
+// the band itself).
+template <typename acc_t, bool PER_TOKEN>
 BANDPO_HD void clip_bounds(const LossParams& L, const DeltaConsts<acc_t>& c, acc_t olp, acc_t p, acc_t dtok,
                            acc_t& lo, acc_t& up) {
   if (L.clip_kind == kClipBand) {
-    band_element<acc_t, TOKEN>(L.band, c, olp, dtok, lo, up);
-  } else if (L.clip_kind == kClipFixed) {
+    band_element<acc_t, PER_TOKEN>(L.band, c, olp, dtok, lo, up);
+    return;
+  }
+  if (L.clip_kind == kClipFixed) {
     lo = acc_t(1) - acc_t(L.eps_low);
     up = acc_t(1) + acc_t(L.eps_high);
-  } else {  // DCPO's dynamic bounds
+  } else {  // kClipDcpo (make_loss_params refuses any other id): DCPO's dynamic bounds
     const acc_t a = acc_t(1) - acc_t(4) * acc_t(L.eps_low) / p;
     lo = acc_t(0.5) + acc_t(0.5) * sqrt(a > acc_t(0) ? a : acc_t(0));
     up = acc_t(0.5) + acc_t(0.5) * sqrt(acc_t(1) + acc_t(4) * acc_t(L.eps_high) / p);
   }
-  const acc_t cap = acc_t(L.max_ratio);
+  const acc_t cap = acc_t(L.band.max_ratio);
   up = up > cap ? cap : up;
 }
 
@@ -120,8 +175,8 @@ BANDPO_HD void count_terms(const TokenTerms<acc_t>& o, acc_t w, acc_t* c, int st
   c[kNBandFinite * stride] = finite_up ? w : zero;
   // Buckets [0,.2), [.2,.4), [.4,.6), [.6,.8), [.8, 1], written out (no inner loop: the CPU loops around
   // this stay vectorisable). NaN p is in none.
-  const bool e0 = o.p >= acc_t(0), e1 = o.p >= acc_t(0.2), e2 = o.p >= acc_t(0.4), e3 = o.p >= acc_t(0.6),
-             e4 = o.p >= acc_t(0.8);
+  const bool e0 = o.p >= acc_t(bucket_edge(0)), e1 = o.p >= acc_t(bucket_edge(1)),
+             e2 = o.p >= acc_t(bucket_edge(2)), e3 = o.p >= acc_t(bucket_edge(3)), e4 = o.p >= acc_t(bucket_edge(4));
   const bool in0 = e0 & !e1, in1 = e1 & !e2, in2 = e2 & !e3, in3 = e3 & !e4, in4 = e4;   // (no bool array:
   c[(kNTokensBucket0 + 0) * stride] = in0 ? w : zero;                            //  it would sit in memory)
   c[(kNTokensBucket0 + 1) * stride] = in1 ? w : zero;
@@ -141,6 +196,57 @@ BANDPO_HD void add_counts(const TokenTerms<acc_t>& o, acc_t w, sum_t* counts) {
   acc_t c[kNumCounts];
   count_terms<acc_t>(o, w, c, 1);
   for (int k = 0; k < kNumCounts; ++k) counts[k] += static_cast<sum_t>(c[k]);
+}
+
+// ---- the finish: aggregation, metrics and the backward's per-row scale, from fixed-order sums ----------
+// Everything after the token loop, for every backend. The sums are float64 and are added in a fixed order
+// (so the results are bit-identical run to run).
+struct LossTotals {
+  double s;          // Σ_b S_b, S_b = Σ_t w·loss on row b
+  double w;          // Σ_b W_b, W_b = Σ_t w
+  double row_mean;   // Σ_b S_b / W_b over rows with W_b != 0
+  double n_rows;     // rows with W_b > 0
+  double counts[kNumCounts];
+};
+
+BANDPO_HD void add_row(LossTotals& T, double s_b, double w_b) {
+  T.s += s_b;
+  T.w += w_b;
+  T.row_mean += (w_b != 0.0) ? s_b / w_b : 0.0;
+  T.n_rows += (w_b > 0.0) ? 1.0 : 0.0;
+}
+
+// The aggregated loss (as loss_spec specifies: 0, never NaN, for an empty mask).
+BANDPO_HD double aggregate_loss(int agg, const LossTotals& T) {
+  switch (agg) {
+    case kAggTokenMean: return T.w != 0.0 ? T.s / T.w : 0.0;
+    case kAggTokenSum: return T.s;
+    case kAggSeqMeanTokenMean: return T.n_rows != 0.0 ? T.row_mean / T.n_rows : 0.0;
+    default: return T.n_rows != 0.0 ? T.s / T.n_rows : 0.0;   // kAggSeqMeanTokenSum (ids checked on the host)
+  }
+}
+
+// ∂loss/∂S_b: the backward multiplies each token's w·∂loss_t/∂log_prob_t by it.
+BANDPO_HD double row_scale(int agg, const LossTotals& T, double w_b) {
+  switch (agg) {
+    case kAggTokenMean: return T.w != 0.0 ? 1.0 / T.w : 0.0;
+    case kAggTokenSum: return 1.0;
+    case kAggSeqMeanTokenMean: return (w_b != 0.0 && T.n_rows != 0.0) ? 1.0 / (w_b * T.n_rows) : 0.0;
+    default: return T.n_rows != 0.0 ? 1.0 / T.n_rows : 0.0;
+  }
+}
+
+// The metric vector: the counts rounded to out_t, then each fraction as the quotient of two rounded counts
+// in out_t's arithmetic (what dividing the 0-dim count tensors gives).
+template <typename out_t>
+BANDPO_HD void write_metrics(const LossTotals& T, out_t* metrics) {
+  using op_t = decltype(out_t(0) + 0.0f);   // float for half types
+  for (int k = 0; k < kNumCounts; ++k) metrics[k] = static_cast<out_t>(T.counts[k]);
+  for (int f = 0; f < kNumFractions; ++f) {
+    const FractionDef d = fraction_def(f);
+    const op_t num = static_cast<op_t>(metrics[d.num]), den = static_cast<op_t>(metrics[d.den]);
+    metrics[kNumCounts + f] = static_cast<out_t>(den != op_t(0) ? num / den : op_t(0));
+  }
 }
 
 }  // namespace bandpo

@@ -1,4 +1,7 @@
-// Host-side glue of the fused loss shared by the CPU and CUDA implementations.
+// Host-side glue of the fused loss shared by the CPU and CUDA implementations: argument checks, the
+// parameter struct and the outputs. The kernels read every input as a dense row-major (batch, T) array
+// and write every output in the layout it is allocated in (dense, row-major): strided, transposed or
+// broadcast inputs are materialised here, so that any layout gives the contiguous call's bits.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,7 +15,7 @@
 namespace bandpo {
 
 struct LossTensors {
-  at::Tensor lp, olp, adv, mask, delta;  // mask and delta may be undefined
+  at::Tensor lp, olp, adv, mask, delta;  // dense row-major (batch, T); mask and delta may be undefined
   c10::optional<at::Tensor> host_delta;  // a 0-dim CPU δ, read on the host (see is_host_scalar_delta)
 };
 
@@ -28,42 +31,71 @@ inline LossTensors check_loss_inputs(const char* op, const at::Tensor& lp, const
   if (mask.has_value()) {
     TORCH_CHECK(mask->sizes() == lp.sizes() && mask->device() == lp.device(), op,
                 ": mask must match log_prob's shape and device");
-    TORCH_CHECK(mask->scalar_type() == at::kByte || mask->scalar_type() == lp.scalar_type(), op,
-                ": mask must be uint8 (a bool mask's bytes) or log_prob's dtype, got ", mask->scalar_type());
-    T.mask = mask->contiguous();
+    const auto mt = mask->scalar_type();
+    TORCH_CHECK(mt == at::kBool || mt == at::kByte || mt == lp.scalar_type(), op,
+                ": mask must be bool, uint8 (a bool mask's bytes) or log_prob's dtype, got ", mt);
+    T.mask = mt == at::kBool ? mask->contiguous().view(at::kByte) : mask->contiguous();
   }
   if (is_host_scalar_delta(delta)) {
     T.host_delta = delta;
   } else if (delta.has_value()) {
-    TORCH_CHECK(delta->sizes() == lp.sizes() && delta->scalar_type() == lp.scalar_type() &&
-                    delta->device() == lp.device(),
-                op, ": a delta tensor must match log_prob's shape, dtype and device");
-    T.delta = delta->contiguous();
+    TORCH_CHECK(delta->scalar_type() == lp.scalar_type() && delta->device() == lp.device(), op,
+                ": a delta tensor must have log_prob's dtype and device");
+    const auto shape = at::infer_size(delta->sizes(), lp.sizes());   // throws for non-broadcastable shapes
+    TORCH_CHECK(c10::IntArrayRef(shape) == lp.sizes(), op, ": delta of shape ", delta->sizes(),
+                " does not broadcast to log_prob's shape ", lp.sizes());
+    T.delta = delta->expand(lp.sizes()).contiguous();
   }
   return T;
 }
 
 inline LossParams make_loss_params(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
                                    int64_t clip_kind, double eps_low, double eps_high, double max_ratio,
-                                   double dual_clip, int64_t mode, double delta_scalar, const LossTensors& T) {
-  TORCH_CHECK(clip_kind >= kClipBand && clip_kind <= kClipDcpo, "policy_loss: unknown clip kind ", clip_kind);
+                                   double dual_clip, int64_t mode, int64_t agg, double delta_scalar,
+                                   const LossTensors& T) {
+  TORCH_CHECK(clip_kind == kClipBand || clip_kind == kClipFixed || clip_kind == kClipDcpo,
+              "policy_loss: unknown clip kind ", clip_kind);
   TORCH_CHECK(mode == kModeClip || mode == kModeMask, "policy_loss: unknown mode ", mode);
+  TORCH_CHECK(agg == kAggTokenMean || agg == kAggTokenSum || agg == kAggSeqMeanTokenMean ||
+                  agg == kAggSeqMeanTokenSum,
+              "policy_loss: unknown aggregation ", agg);
   TORCH_CHECK(dual_clip == 0.0 || dual_clip > 1.0, "policy_loss: dual_clip must be > 1 (0 for none)");
   check_prob_and_delta("policy_loss", T.olp, T.delta.defined() ? c10::optional<at::Tensor>(T.delta) : c10::nullopt,
                        table, grid, divergence, max_ratio);
   LossParams L{};
   const DeltaArg d = resolve_delta(T.host_delta, delta_scalar, grid);
   TORCH_CHECK(!d.all_nan, "policy_loss: delta is outside the table's range");
-  L.band = make_params(table, grid, divergence, /*log_input=*/true, d.scalar, max_ratio, T.lp.scalar_type());
+  L.band = make_params(table, grid, divergence, /*log_input=*/true, d.scalar, max_ratio,   // holds the cap
+                       T.lp.scalar_type());
   L.clip_kind = static_cast<int>(clip_kind);
   L.eps_low = eps_low;
   L.eps_high = eps_high;
-  L.max_ratio = std::isnan(max_ratio) ? std::numeric_limits<double>::infinity() : max_ratio;
   L.dual_clip = dual_clip;
   L.mode = static_cast<int>(mode);
+  L.agg = static_cast<int>(agg);
   L.mask_kind = !T.mask.defined() ? kMaskNone : (T.mask.scalar_type() == at::kByte ? kMaskBytes : kMaskFloat);
   L.per_token_delta = T.delta.defined();
   return L;
+}
+
+// The forward's outputs: the loss (0-dim), the metric vector (kNumMetrics) in the inputs' dtype, and the
+// backward's per-row scale ∂loss/∂S_b (float64, (batch,)).
+struct LossOutputs {
+  at::Tensor loss, metrics, row_scale;
+};
+
+inline LossOutputs empty_loss_outputs(const at::Tensor& lp) {
+  return {at::empty({}, lp.options()), at::empty({kNumMetrics}, lp.options()),
+          at::empty({lp.size(0)}, lp.options().dtype(at::kDouble))};
+}
+
+inline void check_grad_inputs(const char* op, const at::Tensor& grad_loss, const at::Tensor& row_scale,
+                              const at::Tensor& lp) {
+  TORCH_CHECK(grad_loss.numel() == 1 && grad_loss.device() == lp.device(), op,
+              ": grad_loss must be a one-element tensor on log_prob's device");
+  TORCH_CHECK(row_scale.dim() == 1 && row_scale.size(0) == lp.size(0) && row_scale.scalar_type() == at::kDouble &&
+                  row_scale.device() == lp.device(),
+              op, ": row_scale must be the forward's float64 (batch,) tensor");
 }
 
 }  // namespace bandpo

@@ -136,9 +136,9 @@ def test_torch_compile_fullgraph_matches_eager(device):
 
 def test_opcheck():
     lp, olp, adv, mask = make_batch("cpu", torch.float64, B=4, T=64, seed=7)
-    prep = bandpo_lut.api._prepare("kl", torch.device("cpu"))
+    prep = bandpo_lut.api.table_args("kl")
     args = (lp.requires_grad_(), olp, adv, mask.view(torch.uint8), None, 0.05, prep.coefficients, prep.grid, 0, 0,
-            0.0, 0.0, 10.0, 3.0, 0)
+            0.0, 0.0, 10.0, 3.0, 0, 2)   # ..., mode "clip", agg "seq-mean-token-mean"
     torch.library.opcheck(torch.ops.bandpo_lut.policy_loss_fwd, args)
 
 
@@ -161,3 +161,63 @@ def test_bad_inputs_name_the_argument():
         with pytest.raises(exc, match=match):
             bandpo_lut.policy_loss(kw.pop("log_prob"), kw.pop("old_log_prob"), kw.pop("advantages"),
                                    kw.pop("mask"), **extra)
+
+
+def test_per_token_delta_is_validated_like_bounds_and_clip():
+    lp, olp, adv, mask = make_batch("cpu", torch.float32, B=4, T=64)
+    for bad in (torch.ones(4, 64, dtype=torch.bool), torch.full((4, 64), 1, dtype=torch.int64),
+                torch.full((4, 64), 0.05, dtype=torch.complex64)):
+        with pytest.raises(TypeError, match="delta"):
+            bandpo_lut.policy_loss(lp, olp, adv, mask, delta=bad)
+        with pytest.raises(TypeError, match="delta"):
+            bandpo_lut.clip(torch.ones(4, 64), olp.exp(), bad)
+    for shape in ((4, 63), (5, 1), (2, 4, 64), (64, 4)):
+        with pytest.raises(ValueError, match=r"delta has shape .* does not broadcast"):
+            bandpo_lut.policy_loss(lp, olp, adv, mask, delta=torch.full(shape, 0.05))
+    for shape in ((4, 1), (64,), (1, 64), ()):
+        loss, _ = bandpo_lut.policy_loss(lp, olp, adv, mask, delta=torch.full(shape, 0.05))
+        torch.testing.assert_close(loss, bandpo_lut.policy_loss(lp, olp, adv, mask, delta=0.05)[0], rtol=1e-6,
+                                   atol=1e-7)
+
+
+@pytest.mark.parametrize("B,T", [(65536, 3), (3, 5000), (2, 1), (1, 0), (0, 7)])
+def test_edge_sizes_match_the_reference(B, T):
+    g = torch.Generator().manual_seed(11)
+    olp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 5
+    lp = olp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    for agg in spec.AGGS:
+        a, b = lp.clone().requires_grad_(), lp.clone().requires_grad_()
+        fused, ref = bandpo_lut.policy_loss(a, olp, adv, mask, agg=agg), spec.policy_loss(b, olp, adv, mask, agg=agg)
+        compare(fused, ref, 1e-10)
+        fused[0].backward()
+        ref[0].backward()
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-13)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    lp, olp, adv, mask = make_batch("cpu", torch.float32, B=37, T=300, seed=12)
+    wmask = mask.float() * torch.rand(mask.shape, generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            a = lp.clone().requires_grad_()
+            loss, metrics = bandpo_lut.policy_loss(a, olp, adv, wmask, agg="seq-mean-token-mean")
+            loss.backward()
+            results.append((loss, metrics, a.grad))
+    finally:
+        torch.set_num_threads(threads)
+    for loss, metrics, grad in results[1:]:
+        assert torch.equal(loss, results[0][0]) and torch.equal(grad, results[0][2])
+        assert all(torch.equal(metrics[k], results[0][1][k]) for k in metrics)
+
+
+def test_uint8_and_integer_masks_are_weights():
+    lp, olp, adv, mask = make_batch("cpu", torch.float64, B=4, T=64, seed=13)
+    weights = mask.to(torch.uint8) * 2
+    for m in (weights, weights.to(torch.int32)):
+        fused, ref = bandpo_lut.policy_loss(lp, olp, adv, m), spec.policy_loss(lp, olp, adv, m)
+        compare(fused, ref, 1e-10)

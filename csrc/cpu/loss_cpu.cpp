@@ -1,16 +1,19 @@
 // CPU implementation of the fused policy loss: bandpo_lut::policy_loss_fwd / policy_loss_bwd.
 //
-// Rows are split across threads (at::parallel_for). Within a row, blocks of kBlock tokens first get their
-// bounds from the vectorised band loop (float32 band) or the per-element code, then one pass computes
-// ratio, surrogate and the counts. The forward returns per-row sums and the 20 counts in float64; the
-// backward recomputes everything it needs from the inputs, so nothing of the input's size is saved.
+// Rows are split into fixed chunks of kRowsPerChunk rows, spread across threads (at::parallel_for). Within a
+// row, blocks of kBlock tokens first get their bounds from the vectorised band loop (float32 band) or the
+// per-element code, then one pass computes ratio, surrogate and the counts. Every sum is formed in a fixed
+// order (row by row, chunk by chunk) whatever the number of threads, then one finish (loss_element.h) forms
+// the aggregated loss, the metric vector and the backward's per-row scale. The backward recomputes what it
+// needs from the inputs, so nothing of the input's size is saved.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <mutex>
+#include <algorithm>
+#include <vector>
 
 #include "band_host.h"
 #include "cpu/band_cpu.h"
@@ -19,35 +22,27 @@
 namespace bandpo {
 namespace {
 
+constexpr int64_t kRowsPerChunk = 8;   // the fixed partition of rows whose partial counts are summed in order
+
 template <typename scalar_t>
 struct RowInputs {
   const scalar_t* lp;
   const scalar_t* olp;
   const scalar_t* adv;
-  const scalar_t* delta;      // per-token δ or null
-  const uint8_t* mask_bytes;  // bool mask or null
-  const scalar_t* mask_f;     // floating mask or null
+  const scalar_t* delta;  // per-token δ or null
+  const void* mask;       // the row's mask (L.mask_kind says how to read it) or null
 };
 
+// A token's weight (the generic loops; the float32 loops take the mask kind as a template argument).
 template <typename scalar_t, typename acc_t>
-inline acc_t weight(const RowInputs<scalar_t>& in, int64_t i) {
-  if (in.mask_bytes) return in.mask_bytes[i] ? acc_t(1) : acc_t(0);
-  if (in.mask_f) return static_cast<acc_t>(in.mask_f[i]);
-  return acc_t(1);
+inline acc_t weight(const LossParams& L, const RowInputs<scalar_t>& in, int64_t i) {
+  return mask_weight_any<scalar_t, acc_t>(L.mask_kind, in.mask, i);
 }
 
-// Bounds of tokens [i0, i0 + m) of a row into lo/up (acc_t buffers).
+// Bounds of tokens [i0, i0 + m) of a row into lo/up (the generic loops; float32 rows take row_f32).
 template <typename scalar_t, typename acc_t>
 void block_bounds(const LossParams& L, const DeltaConsts<acc_t>& c, const RowInputs<scalar_t>& in, int64_t i0,
                   int m, acc_t* lo, acc_t* up) {
-  if constexpr (std::is_same<scalar_t, float>::value) {
-    if (L.clip_kind == kClipBand) {
-      const DeltaConsts<float> cf = c;
-      FastRun a{&L.band, &cf, in.olp + i0, in.delta ? in.delta + i0 : nullptr, nullptr, lo, up, nullptr, m};
-      f32_contiguous(a, /*log_input=*/true, /*clip=*/false, L.per_token_delta);
-      return;
-    }
-  }
   for (int i = 0; i < m; ++i) {
     const acc_t olp = static_cast<acc_t>(in.olp[i0 + i]);
     const acc_t d = in.delta ? static_cast<acc_t>(in.delta[i0 + i]) : c.delta;
@@ -63,39 +58,27 @@ void block_bounds(const LossParams& L, const DeltaConsts<acc_t>& c, const RowInp
 // ---- float32 rows: branch-free blocked passes that vectorise --------------------------------------------
 constexpr int kSums = kNumCounts + 2;   // the 20 counts, then Σ w·loss and Σ w
 
-// Bounds of a block for the baselines (band bounds come from the vectorised band loop).
-template <int KIND>
+// Bounds of a block for the baselines (band bounds come from the vectorised band loop); clip_bounds caps.
 BANDPO_INLINE void baseline_bounds_f32(const LossParams& L, const float* __restrict olp, int m, float* __restrict lo,
                                        float* __restrict up) {
-  const float cap = static_cast<float>(L.max_ratio);
+  const DeltaConsts<float> unused{};
   for (int i = 0; i < m; ++i) {
-    float l, u;
     const float p = exp_f32(olp[i]);
-    const DeltaConsts<float> unused{};
-    clip_bounds<float, false>(L, unused, olp[i], p, 0.0f, l, u);   // KIND is L.clip_kind: no band here
-    lo[i] = l;
-    up[i] = u > cap ? cap : u;
+    clip_bounds<float, false>(L, unused, olp[i], p, 0.0f, lo[i], up[i]);
   }
-}
-
-template <int MASK>
-BANDPO_INLINE float weight_f32(const uint8_t* mb, const float* mf, int i) {
-  if (MASK == kMaskBytes) return mb[i] ? 1.0f : 0.0f;
-  if (MASK == kMaskFloat) return mf[i];
-  return 1.0f;
 }
 
 // Per-token terms of a block: the gradient factor into grad[] and, if sums is given, every token's
 // contribution to the kSums accumulators into sums[k][i] (ignored tokens: exactly 0, whatever their inputs).
 template <int MASK, bool SUMS>
 BANDPO_INLINE void token_block_f32(const LossParams& L, const float* __restrict lp, const float* __restrict olp,
-                                   const float* __restrict adv, const uint8_t* __restrict mb,
-                                   const float* __restrict mf, const float* __restrict lo,
+                                   const float* __restrict adv, const void* __restrict mask,
+                                   const float* __restrict lo,
                                    const float* __restrict up, int m, float* __restrict grad,
                                    float (*__restrict sums)[kBlock]) {
 #pragma omp simd
   for (int i = 0; i < m; ++i) {
-    const float w = weight_f32<MASK>(mb, mf, i);
+    const float w = mask_weight<MASK, float, float>(mask, i);
     const bool skip = w == 0.0f;
     TokenTerms<float> o;
     // p_old only feeds the counts (buckets, low-probability); the backward does not need it.
@@ -137,14 +120,13 @@ BANDPO_INLINE void row_f32_impl(const LossParams& L, const RowInputs<float>& in,
     if (L.clip_kind == kClipBand) {
       FastRun a{&L.band, &c, in.olp + i0, in.delta ? in.delta + i0 : nullptr, nullptr, lo, up, nullptr, m};
       f32_contiguous(a, /*log_input=*/true, /*clip=*/false, L.per_token_delta);
-    } else if (L.clip_kind == kClipFixed) {
-      baseline_bounds_f32<kClipFixed>(L, in.olp + i0, m, lo, up);
     } else {
-      baseline_bounds_f32<kClipDcpo>(L, in.olp + i0, m, lo, up);
+      baseline_bounds_f32(L, in.olp + i0, m, lo, up);
     }
-    const uint8_t* mb = in.mask_bytes ? in.mask_bytes + i0 : nullptr;
-    const float* mf = in.mask_f ? in.mask_f + i0 : nullptr;
-    token_block_f32<MASK, FWD>(L, in.lp + i0, in.olp + i0, in.adv + i0, mb, mf, lo, up, m, grad, sums);
+    const void* mask = MASK == kMaskBytes ? static_cast<const void*>(static_cast<const uint8_t*>(in.mask) + i0)
+                       : MASK == kMaskFloat ? static_cast<const void*>(static_cast<const float*>(in.mask) + i0)
+                                            : nullptr;
+    token_block_f32<MASK, FWD>(L, in.lp + i0, in.olp + i0, in.adv + i0, mask, lo, up, m, grad, sums);
     if (FWD) {
       reduce_block(sums, totals);
     } else {
@@ -156,7 +138,7 @@ BANDPO_INLINE void row_f32_impl(const LossParams& L, const RowInputs<float>& in,
 // One row, forward (totals[kSums] += its sums) or backward (grad_row = g · ∂(Σ w·loss)/∂log_prob).
 BANDPO_CPU_CLONES void row_f32(const LossParams& L, const RowInputs<float>& in, int64_t n, double* totals, float g,
                                float* grad_row, bool forward) {
-  const int mk = in.mask_bytes ? kMaskBytes : (in.mask_f ? kMaskFloat : kMaskNone);
+  const int mk = L.mask_kind;
   if (forward) {
     if (mk == kMaskBytes) row_f32_impl<kMaskBytes, true>(L, in, n, totals, g, grad_row);
     else if (mk == kMaskFloat) row_f32_impl<kMaskFloat, true>(L, in, n, totals, g, grad_row);
@@ -189,11 +171,7 @@ RowInputs<scalar_t> row_inputs(const LossTensors& T, int64_t b) {
   in.adv = T.adv.data_ptr<scalar_t>() + b * n;
   in.delta = T.delta.defined() ? T.delta.data_ptr<scalar_t>() + b * n : nullptr;
   if (T.mask.defined()) {
-    if (T.mask.scalar_type() == at::kByte) {
-      in.mask_bytes = T.mask.data_ptr<uint8_t>() + b * n;
-    } else {
-      in.mask_f = T.mask.data_ptr<scalar_t>() + b * n;
-    }
+    in.mask = static_cast<const char*>(T.mask.data_ptr()) + b * n * T.mask.element_size();
   }
   return in;
 }
@@ -201,10 +179,10 @@ RowInputs<scalar_t> row_inputs(const LossTensors& T, int64_t b) {
 // The loss parameters, with the scalar-δ KL cell cubics (kept alive by `keep`) when the band needs them.
 LossParams loss_params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
                                   int64_t clip_kind, double eps_low, double eps_high, double max_ratio,
-                                  double dual_clip, int64_t mode, double delta_scalar, const LossTensors& T,
-                                  std::shared_ptr<const CellPolys>& keep) {
+                                  double dual_clip, int64_t mode, int64_t agg, double delta_scalar,
+                                  const LossTensors& T, std::shared_ptr<const CellPolys>& keep) {
   LossParams L = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio, dual_clip, mode,
-                                  delta_scalar, T);
+                                  agg, delta_scalar, T);
   if (L.clip_kind == kClipBand && L.band.divergence == kKL && !L.per_token_delta) {
     keep = cell_polys(L.band);
     L.band.cell_f = keep->f.data();
@@ -213,78 +191,87 @@ LossParams loss_params_with_cells(const at::Tensor& table, c10::ArrayRef<double>
   return L;
 }
 
+// One row's Σ w·loss, Σ w and counts (totals[kSums], zeroed by the caller), the generic per-element loop.
+template <typename scalar_t, typename acc_t>
+void row_sums_generic(const LossParams& L, const DeltaConsts<acc_t>& c, const RowInputs<scalar_t>& in, int64_t n,
+                      double* totals) {
+  acc_t lo[kBlock], up[kBlock];
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const int m = static_cast<int>(n - i0 < kBlock ? n - i0 : kBlock);
+    block_bounds<scalar_t, acc_t>(L, c, in, i0, m, lo, up);
+    for (int i = 0; i < m; ++i) {
+      const acc_t w = weight<scalar_t, acc_t>(L, in, i0 + i);
+      if (w == acc_t(0)) continue;   // ignored tokens contribute nothing, whatever their inputs
+      const acc_t olp_i = static_cast<acc_t>(in.olp[i0 + i]);
+      TokenTerms<acc_t> o;
+      token_terms<acc_t>(L, static_cast<acc_t>(in.lp[i0 + i]), olp_i, static_cast<acc_t>(in.adv[i0 + i]), w,
+                         exp_any(olp_i), lo[i], up[i], o);
+      add_counts<acc_t, double>(o, w, totals);
+      totals[kNumCounts] += static_cast<double>(o.value);
+      totals[kNumCounts + 1] += static_cast<double>(w);
+    }
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cpu(
     const at::Tensor& lp, const at::Tensor& olp, const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
     const c10::optional<at::Tensor>& delta, double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid,
     int64_t divergence, int64_t clip_kind, double eps_low, double eps_high, double max_ratio, double dual_clip,
-    int64_t mode) {
+    int64_t mode, int64_t agg) {
   const LossTensors T = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta);
   std::shared_ptr<const CellPolys> keep;
   const LossParams L = loss_params_with_cells(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio,
-                                              dual_clip, mode, delta_scalar, T, keep);
+                                              dual_clip, mode, agg, delta_scalar, T, keep);
   const int64_t B = lp.size(0), n = lp.size(1);
-  auto f64 = lp.options().dtype(at::kDouble);
-  at::Tensor row_sum = at::zeros({B}, f64), row_w = at::zeros({B}, f64), counts = at::zeros({kNumCounts}, f64);
-  double* S = row_sum.data_ptr<double>();
-  double* W = row_w.data_ptr<double>();
-  double* C = counts.data_ptr<double>();
-  std::mutex mu;
+  const int64_t chunks = (B + kRowsPerChunk - 1) / kRowsPerChunk;
+  std::vector<double> row_s(B), row_w(B), chunk_counts(chunks * kNumCounts, 0.0);
+  LossOutputs out = empty_loss_outputs(lp);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lp.scalar_type(), "bandpo_lut::policy_loss_fwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(delta_scalar));
-    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-      double local[kNumCounts] = {0};
-      acc_t lo[kBlock], up[kBlock];
-      for (int64_t b = b0; b < b1; ++b) {
-        const RowInputs<scalar_t> in = row_inputs<scalar_t>(T, b);
-        double totals[kSums] = {0};
-        if (fast_row<scalar_t>(L, in, n, totals, 0.0f, nullptr, /*forward=*/true)) {
-          for (int k = 0; k < kNumCounts; ++k) local[k] += totals[k];
-          S[b] = totals[kNumCounts];
-          W[b] = totals[kNumCounts + 1];
-          continue;
-        }
-        double s = 0, w_sum = 0;
-        for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
-          const int m = static_cast<int>(n - i0 < kBlock ? n - i0 : kBlock);
-          block_bounds<scalar_t, acc_t>(L, c, in, i0, m, lo, up);
-          for (int i = 0; i < m; ++i) {
-            const acc_t w = weight<scalar_t, acc_t>(in, i0 + i);
-            if (w == acc_t(0)) continue;   // ignored tokens contribute nothing, whatever their inputs
-            const acc_t olp_i = static_cast<acc_t>(in.olp[i0 + i]);
-            TokenTerms<acc_t> o;
-            token_terms<acc_t>(L, static_cast<acc_t>(in.lp[i0 + i]), olp_i, static_cast<acc_t>(in.adv[i0 + i]), w,
-                               exp_any(olp_i), lo[i], up[i], o);
-            s += static_cast<double>(o.value);
-            w_sum += static_cast<double>(w);
-            add_counts<acc_t, double>(o, w, local);
+    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t chunk = c0; chunk < c1; ++chunk) {
+        double* counts = &chunk_counts[chunk * kNumCounts];
+        for (int64_t b = chunk * kRowsPerChunk; b < std::min(B, (chunk + 1) * kRowsPerChunk); ++b) {
+          const RowInputs<scalar_t> in = row_inputs<scalar_t>(T, b);
+          double totals[kSums] = {0};
+          if (!fast_row<scalar_t>(L, in, n, totals, 0.0f, nullptr, /*forward=*/true)) {
+            row_sums_generic<scalar_t, acc_t>(L, c, in, n, totals);
           }
+          for (int k = 0; k < kNumCounts; ++k) counts[k] += totals[k];
+          row_s[b] = totals[kNumCounts];
+          row_w[b] = totals[kNumCounts + 1];
         }
-        S[b] = s;
-        W[b] = w_sum;
       }
-      std::lock_guard<std::mutex> lock(mu);
-      for (int k = 0; k < kNumCounts; ++k) C[k] += local[k];
     });
+    LossTotals tot{};
+    for (int64_t b = 0; b < B; ++b) add_row(tot, row_s[b], row_w[b]);
+    for (int64_t chunk = 0; chunk < chunks; ++chunk)
+      for (int k = 0; k < kNumCounts; ++k) tot.counts[k] += chunk_counts[chunk * kNumCounts + k];
+    *out.loss.data_ptr<scalar_t>() = static_cast<scalar_t>(aggregate_loss(L.agg, tot));
+    write_metrics<scalar_t>(tot, out.metrics.data_ptr<scalar_t>());
+    double* scale = out.row_scale.data_ptr<double>();
+    for (int64_t b = 0; b < B; ++b) scale[b] = row_scale(L.agg, tot, row_w[b]);
   });
-  return {row_sum, row_w, counts};
+  return {out.loss, out.metrics, out.row_scale};
 }
 
-at::Tensor loss_bwd_cpu(const at::Tensor& grad_row, const at::Tensor& lp, const at::Tensor& olp, const at::Tensor& adv,
-                        const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& delta,
-                        double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
-                        int64_t clip_kind, double eps_low, double eps_high, double max_ratio, double dual_clip,
-                        int64_t mode) {
+at::Tensor loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& row_scale, const at::Tensor& lp,
+                        const at::Tensor& olp, const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
+                        const c10::optional<at::Tensor>& delta, double delta_scalar, const at::Tensor& table,
+                        c10::ArrayRef<double> grid, int64_t divergence, int64_t clip_kind, double eps_low,
+                        double eps_high, double max_ratio, double dual_clip, int64_t mode) {
   const LossTensors T = check_loss_inputs("policy_loss_bwd", lp, olp, adv, mask, delta);
-  TORCH_CHECK(grad_row.dim() == 1 && grad_row.size(0) == lp.size(0) && grad_row.device() == lp.device(),
-              "policy_loss_bwd: grad_row must be a (batch,) tensor on log_prob's device");
-  const at::Tensor g = grad_row.to(at::kDouble).contiguous();
+  check_grad_inputs("policy_loss_bwd", grad_loss, row_scale, lp);
+  const double g = grad_loss.to(at::kDouble).item<double>();   // a CPU tensor: no synchronisation
+  const at::Tensor scale = row_scale.contiguous();
   std::shared_ptr<const CellPolys> keep;
+  // The aggregation is folded into row_scale: the backward's LossParams never read `agg`.
   const LossParams L = loss_params_with_cells(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio,
-                                              dual_clip, mode, delta_scalar, T, keep);
+                                              dual_clip, mode, kAggTokenSum, delta_scalar, T, keep);
   const int64_t B = lp.size(0), n = lp.size(1);
-  at::Tensor grad = at::empty_like(lp);
-  const double* G = g.data_ptr<double>();
+  at::Tensor grad = at::empty(lp.sizes(), lp.options());   // dense row-major: the layout the loops write
+  const double* S = scale.data_ptr<double>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lp.scalar_type(), "bandpo_lut::policy_loss_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(delta_scalar));
@@ -293,14 +280,14 @@ at::Tensor loss_bwd_cpu(const at::Tensor& grad_row, const at::Tensor& lp, const 
       acc_t lo[kBlock], up[kBlock];
       for (int64_t b = b0; b < b1; ++b) {
         const RowInputs<scalar_t> in = row_inputs<scalar_t>(T, b);
-        const acc_t gb = static_cast<acc_t>(G[b]);
+        const acc_t gb = static_cast<acc_t>(g * S[b]);
         scalar_t* o_row = out + b * n;
         if (fast_row<scalar_t>(L, in, n, nullptr, static_cast<float>(gb), o_row, /*forward=*/false)) continue;
         for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
           const int m = static_cast<int>(n - i0 < kBlock ? n - i0 : kBlock);
           block_bounds<scalar_t, acc_t>(L, c, in, i0, m, lo, up);
           for (int i = 0; i < m; ++i) {
-            const acc_t w = weight<scalar_t, acc_t>(in, i0 + i);
+            const acc_t w = weight<scalar_t, acc_t>(L, in, i0 + i);
             acc_t gi = acc_t(0);
             if (w != acc_t(0)) {
               const acc_t olp_i = static_cast<acc_t>(in.olp[i0 + i]);

@@ -1,14 +1,27 @@
 // CUDA implementations of bandpo_lut::bounds and bandpo_lut::clip.
 //
-// One grid-stride kernel per (dtype, op, δ mode). With a scalar δ each block first collapses the
-// table's δ axis into per-cell cubics in shared memory (a few KB, cheaper than a second launch and free
-// of host synchronisation); the table itself is read through the read-only cache (load_ro). Runs on the
-// current stream; broadcasting and strides are resolved by TensorIterator on the host and passed as a
-// plain offset description.
+// Two grid-stride kernels per (dtype, op, cells mode), launched as one resident wave on the current stream:
+//  * dense operands (every one contiguous in the same order, 16-byte aligned): each thread moves kVec
+//    elements per step with vector loads and stores, 64-bit indices (no element limit);
+//  * anything else (strides, broadcasting): TensorIterator's offsets with precomputed magic-number
+//    divisions (at::cuda::detail::OffsetCalculator), 32-bit per sub-iteration (the iterator splits larger
+//    ones); more dimensions than it handles are materialised first.
+// With a scalar δ the KL band reads the cell cubics collapsed once per (device, table, δ) (cells_cuda.cu),
+// staged in shared memory by the common prologue (kernel_common.cuh): all its reads are LDS.128 (sm_90 SASS).
+// Both kernels compute every element with the same code (band_value), so a layout never changes a bit.
+//
+// tv, chi2 and hellinger stay in float64 (band_element.h's closed_form) on the GPU too. Their lower bounds
+// cancel near saturation (tv: p - δ, chi2: p - δ(1-p), hellinger: (√p·cos α - √(1-p)·sin α)²), so float32
+// arithmetic loses all relative precision there (with δ itself rounded to float32, the relative error of r_lo
+// grows like 6e-8·δ/(p - δ)), where float64 keeps ~1e-16·δ/(p - δ), below float32's rounding of the result
+// for p - δ > 1e-8·δ. On the datacenter GPUs this build targets (H100/H200: FP64 at half the FP32 rate) the
+// ~40 float64 operations per element still run under memory speed; tools/gpu_check.py times them against a
+// copy. Consumer GPUs (FP64 at 1/64) are compute-bound here, a known cost, not a correctness issue.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/TensorIterator.h>
+#include <ATen/cuda/detail/OffsetCalculator.cuh>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -16,120 +29,216 @@
 
 #include "band_element.h"
 #include "band_host.h"
+#include "cuda/kernel_common.cuh"
 
 namespace bandpo {
 namespace {
 
-constexpr int kMaxDims = 8;
-constexpr int kMaxOperands = 4;
 constexpr int kThreads = 256;
+constexpr int kMaxOperands = 4;   // outputs first (lo, up | out), then [ratio,] prob[, delta]
+using Offsets = OffsetCalculator<kMaxOperands>;
 
-// Element addressing for up to kMaxOperands operands: outputs first, then [ratio,] prob[, delta].
-struct Operands {
-  char* data[kMaxOperands];
-  int64_t strides[kMaxOperands][kMaxDims];  // bytes, per dimension (innermost first, TensorIterator order)
-  int64_t sizes[kMaxDims];
-  int ndim;
-  int count;
-  bool contiguous;   // every operand dense in the same order: offset = i * sizeof(scalar)
-  int64_t numel;
+// Elements per thread and step on the dense path: 16 bytes of float32 or float64, 8 of a half type.
+template <typename scalar_t>
+constexpr int vec_size() {
+  return sizeof(scalar_t) >= 8 ? 2 : 4;
+}
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
 };
 
-template <typename scalar_t>
-__device__ __forceinline__ scalar_t* at_index(const Operands& A, int k, int64_t i) {
-  if (A.contiguous) return reinterpret_cast<scalar_t*>(A.data[k]) + i;
-  int64_t off = 0, rem = i;
-  for (int d = 0; d < A.ndim; ++d) {
-    const int64_t q = rem / A.sizes[d];
-    off += (rem - q * A.sizes[d]) * A.strides[k][d];
-    rem = q;
+// The operands' base pointers, in iterator order (kernels get no at::Tensor).
+struct Pointers {
+  char* data[kMaxOperands];
+};
+
+// Operand positions: outputs, then [ratio,] prob[, delta].
+template <bool CLIP>
+struct Slots {
+  static constexpr int n_out = CLIP ? 1 : 2;
+  static constexpr int ratio = 1;               // clip only
+  static constexpr int prob = CLIP ? 2 : 2;     // bounds: lo, up, prob; clip: out, ratio, prob
+  static constexpr int delta = 3;
+};
+
+// One element: the bounds (CLIP false: out0 = lo, out1 = up) or the clipped ratio (out0), in acc_t.
+template <typename acc_t, bool CLIP, bool TOKEN>
+__device__ __forceinline__ void band_value(const BandParams& P, const DeltaConsts<acc_t>& c, acc_t x, acc_t d,
+                                           acc_t r, acc_t& out0, acc_t& out1) {
+  acc_t l, u;
+  band_element<acc_t, TOKEN>(P, c, x, d, l, u);
+  if (CLIP) {
+    out0 = clamp_like_torch<acc_t>(r, l, u);
+  } else {
+    out0 = l;
+    out1 = u;
   }
-  return reinterpret_cast<scalar_t*>(A.data[k] + off);
 }
 
-template <typename scalar_t, bool CLIP, bool TOKEN>
-__global__ void band_kernel(BandParams P, Operands A) {
+template <typename scalar_t, bool CLIP, int CELLS>
+__global__ void __launch_bounds__(kThreads) band_dense_kernel(BandParams P, const void* cells_src, int n_cells,
+                                                               Pointers A, int64_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
-  extern __shared__ unsigned char smem_raw[];
-  acc_t* cells = reinterpret_cast<acc_t*>(smem_raw);
-  if (P.divergence == kKL && !TOKEN) {
-    for (int k = threadIdx.x; k < P.table.nt - 1; k += blockDim.x) {
-      double c8[8];
-      collapse_cell(P.table, k, P.delta_js, P.delta_ws, c8);
-      for (int j = 0; j < 8; ++j) cells[8 * k + j] = static_cast<acc_t>(c8[j]);
-    }
-    __syncthreads();
-    if constexpr (std::is_same<acc_t, double>::value) {
-      P.cell_d = reinterpret_cast<const double*>(cells);
-    } else {
-      P.cell_f = reinterpret_cast<const float*>(cells);
-    }
-  }
+  constexpr bool TOKEN = per_token_mode(CELLS);
+  constexpr int V = vec_size<scalar_t>();
+  using S = Slots<CLIP>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  set_cells<acc_t>(P, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
   const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(P.delta));
-  const int n_out = CLIP ? 1 : 2;
-  const int ip = CLIP ? n_out + 1 : n_out;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < A.numel;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const acc_t x = static_cast<acc_t>(*at_index<scalar_t>(A, ip, i));
-    const acc_t d = TOKEN ? static_cast<acc_t>(*at_index<scalar_t>(A, ip + 1, i)) : c.delta;
-    acc_t l, u;
-    band_element<acc_t, TOKEN>(P, c, x, d, l, u);
-    if (CLIP) {
-      const acc_t r = static_cast<acc_t>(*at_index<scalar_t>(A, n_out, i));
-      *at_index<scalar_t>(A, 0, i) = static_cast<scalar_t>(clamp_like_torch<acc_t>(r, l, u));
+  const scalar_t* prob = reinterpret_cast<const scalar_t*>(A.data[S::prob]);
+  const scalar_t* ratio = reinterpret_cast<const scalar_t*>(A.data[S::ratio]);
+  const scalar_t* delta = reinterpret_cast<const scalar_t*>(A.data[S::delta]);
+  scalar_t* out0 = reinterpret_cast<scalar_t*>(A.data[0]);
+  scalar_t* out1 = reinterpret_cast<scalar_t*>(A.data[1]);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * V;
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V; i < numel; i += stride) {
+    if (i + V <= numel) {
+      // Every load of the step first (kVec elements in flight per operand), then the math, then the stores.
+      const Vec<scalar_t, V> xv = *reinterpret_cast<const Vec<scalar_t, V>*>(prob + i);
+      Vec<scalar_t, V> rv{}, dv{}, o0, o1;
+      if (CLIP) rv = *reinterpret_cast<const Vec<scalar_t, V>*>(ratio + i);
+      if (TOKEN) dv = *reinterpret_cast<const Vec<scalar_t, V>*>(delta + i);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        acc_t a0, a1 = acc_t(0);
+        band_value<acc_t, CLIP, TOKEN>(P, c, static_cast<acc_t>(xv.v[k]), TOKEN ? static_cast<acc_t>(dv.v[k]) : c.delta,
+                                       CLIP ? static_cast<acc_t>(rv.v[k]) : acc_t(0), a0, a1);
+        o0.v[k] = static_cast<scalar_t>(a0);
+        o1.v[k] = static_cast<scalar_t>(a1);
+      }
+      *reinterpret_cast<Vec<scalar_t, V>*>(out0 + i) = o0;
+      if (!CLIP) *reinterpret_cast<Vec<scalar_t, V>*>(out1 + i) = o1;
     } else {
-      *at_index<scalar_t>(A, 0, i) = static_cast<scalar_t>(l);
-      *at_index<scalar_t>(A, 1, i) = static_cast<scalar_t>(u);
+      for (int64_t j = i; j < numel; ++j) {   // the tail: fewer than V elements
+        acc_t a0, a1 = acc_t(0);
+        band_value<acc_t, CLIP, TOKEN>(P, c, static_cast<acc_t>(prob[j]), TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
+                                       CLIP ? static_cast<acc_t>(ratio[j]) : acc_t(0), a0, a1);
+        out0[j] = static_cast<scalar_t>(a0);
+        if (!CLIP) out1[j] = static_cast<scalar_t>(a1);
+      }
     }
   }
 }
 
-int sm_count(int device) {
-  static int counts[64] = {0};
-  if (device < 0 || device >= 64) return 80;
-  if (counts[device] == 0) {
-    int n = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    counts[device] = n > 0 ? n : 80;
+template <typename scalar_t, bool CLIP, int CELLS>
+__global__ void __launch_bounds__(kThreads) band_strided_kernel(BandParams P, const void* cells_src, int n_cells,
+                                                                 Pointers A, Offsets offsets, uint32_t numel) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr bool TOKEN = per_token_mode(CELLS);
+  using S = Slots<CLIP>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  set_cells<acc_t>(P, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
+  const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(P.delta));
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += gridDim.x * blockDim.x) {
+    const auto off = offsets.get(i);   // byte offsets, one per operand
+    const acc_t x = static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(A.data[S::prob] + off[S::prob]));
+    const acc_t d = TOKEN ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(A.data[S::delta] + off[S::delta]))
+                          : c.delta;
+    const acc_t r = CLIP ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(A.data[S::ratio] + off[S::ratio]))
+                         : acc_t(0);
+    acc_t a0, a1 = acc_t(0);
+    band_value<acc_t, CLIP, TOKEN>(P, c, x, d, r, a0, a1);
+    *reinterpret_cast<scalar_t*>(A.data[0] + off[0]) = static_cast<scalar_t>(a0);
+    if (!CLIP) *reinterpret_cast<scalar_t*>(A.data[1] + off[1]) = static_cast<scalar_t>(a1);
   }
-  return counts[device];
 }
 
-Operands describe(const at::TensorIteratorBase& iter) {
-  Operands A{};
-  TORCH_CHECK(iter.ntensors() <= kMaxOperands, "bandpo_lut: too many operands");
-  TORCH_CHECK(iter.ndim() <= kMaxDims, "bandpo_lut: inputs with more than ", kMaxDims,
-              " non-collapsible dimensions are not supported on CUDA; make them contiguous first");
-  A.count = iter.ntensors();
-  A.ndim = iter.ndim();
-  A.numel = iter.numel();
-  A.contiguous = iter.is_contiguous();
-  for (int d = 0; d < A.ndim; ++d) A.sizes[d] = iter.shape()[d];
-  for (int k = 0; k < A.count; ++k) {
-    A.data[k] = static_cast<char*>(iter.data_ptr(k));
-    for (int d = 0; d < A.ndim; ++d) A.strides[k][d] = iter.strides(k)[d];
-  }
+Pointers pointers_of(const at::TensorIteratorBase& iter) {
+  Pointers A{};
+  for (int k = 0; k < iter.ntensors(); ++k) A.data[k] = static_cast<char*>(iter.data_ptr(k));
   return A;
 }
 
+// TensorIterator's offsets for up to kMaxOperands operands (absent ones get zero strides).
+Offsets offsets_of(const at::TensorIteratorBase& iter) {
+  const int64_t zeros[MAX_DIMS] = {0};
+  const int64_t* strides[kMaxOperands];
+  for (int k = 0; k < kMaxOperands; ++k) strides[k] = k < iter.ntensors() ? iter.strides(k).data() : zeros;
+  return Offsets(iter.ndim(), iter.shape().data(), strides);
+}
+
+bool dense_and_aligned(const at::TensorIteratorBase& iter, int vec_bytes) {
+  if (!iter.is_contiguous()) return false;
+  for (int k = 0; k < iter.ntensors(); ++k) {
+    if (reinterpret_cast<uintptr_t>(iter.data_ptr(k)) % vec_bytes != 0) return false;
+  }
+  return true;
+}
+
+// The cells a launch of `kernel_shared` needs: shared memory when they fit, else global; none for a per-token
+// δ; a null global source for closed forms.
+template <typename acc_t>
+CellsPlan plan_cells(const BandParams& P, bool per_token, const void* kernel_shared, int device,
+                     cudaStream_t stream) {
+  CellsPlan plan{per_token ? kCellsNone : kCellsGlobal, nullptr, P.table.nt - 1, 0, at::Tensor()};
+  if (per_token || P.divergence != kKL) return plan;
+  plan.src = cached_cells(P, std::is_same<acc_t, double>::value, stream, plan.scratch);
+  plan.smem = shared_cells_bytes(kernel_shared, sizeof(acc_t) * kCellValues * plan.n_cells, 0, device);
+  plan.mode = plan.smem > 0 ? kCellsShared : kCellsGlobal;
+  return plan;
+}
+
+template <typename scalar_t, bool CLIP, int CELLS>
+void launch_mode(at::TensorIteratorBase& iter, const BandParams& P, const CellsPlan& plan, int device,
+                 cudaStream_t stream) {
+  constexpr int V = vec_size<scalar_t>();
+  const size_t smem = CELLS == kCellsShared ? plan.smem : 0;
+  if (dense_and_aligned(iter, V * sizeof(scalar_t))) {
+    const auto kernel = band_dense_kernel<scalar_t, CLIP, CELLS>;
+    const int64_t needed = (iter.numel() + static_cast<int64_t>(kThreads) * V - 1) / (static_cast<int64_t>(kThreads) * V);
+    const int blocks = static_cast<int>(std::min<int64_t>(needed, resident_blocks((const void*)kernel, kThreads, smem, device)));
+    kernel<<<blocks, kThreads, smem, stream>>>(P, plan.src, plan.n_cells, pointers_of(iter), iter.numel());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  const auto kernel = band_strided_kernel<scalar_t, CLIP, CELLS>;
+  const int resident = resident_blocks((const void*)kernel, kThreads, smem, device);
+  for (auto& sub : iter.with_32bit_indexing()) {   // one sub-iterator unless there are 2^31 or more elements
+    const int64_t needed = (sub.numel() + kThreads - 1) / kThreads;
+    const int blocks = static_cast<int>(std::min<int64_t>(needed, resident));
+    kernel<<<blocks, kThreads, smem, stream>>>(P, plan.src, plan.n_cells, pointers_of(sub), offsets_of(sub),
+                                               static_cast<uint32_t>(sub.numel()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
 template <bool CLIP>
-void launch(at::TensorIterator& iter, const BandParams& P, bool per_token, at::ScalarType dtype, int device) {
+void launch(at::TensorIteratorBase& iter, const BandParams& P, bool per_token, at::ScalarType dtype, int device) {
   if (iter.numel() == 0) return;
-  const Operands A = describe(iter);
-  const int64_t blocks_needed = (A.numel + kThreads - 1) / kThreads;
-  const int blocks = static_cast<int>(std::min<int64_t>(blocks_needed, static_cast<int64_t>(sm_count(device)) * 8));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "bandpo_lut_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const size_t smem = (P.divergence == kKL && !per_token) ? sizeof(acc_t) * 8 * (P.table.nt - 1) : 0;
-    TORCH_CHECK(smem <= 48 * 1024, "bandpo_lut: table too large for the scalar-delta CUDA path");
-    if (per_token) {
-      band_kernel<scalar_t, CLIP, true><<<blocks, kThreads, smem, stream>>>(P, A);
+    // Shared memory is planned for the dense kernel; the strided one has the same static use (none).
+    const CellsPlan plan = plan_cells<acc_t>(P, per_token, (const void*)band_dense_kernel<scalar_t, CLIP, kCellsShared>,
+                                             device, stream);
+    if (plan.mode == kCellsShared) {
+      (void)shared_cells_bytes((const void*)band_strided_kernel<scalar_t, CLIP, kCellsShared>, plan.smem, 0, device);
+      launch_mode<scalar_t, CLIP, kCellsShared>(iter, P, plan, device, stream);
+    } else if (plan.mode == kCellsGlobal) {
+      launch_mode<scalar_t, CLIP, kCellsGlobal>(iter, P, plan, device, stream);
     } else {
-      band_kernel<scalar_t, CLIP, false><<<blocks, kThreads, smem, stream>>>(P, A);
+      launch_mode<scalar_t, CLIP, kCellsNone>(iter, P, plan, device, stream);
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+// Inputs with more non-collapsible dimensions than the offset calculator handles (alternating broadcasts
+// reach that even from contiguous tensors) are materialised dense in the broadcast shape; the copies live in
+// the caller's `keep` (the iterator borrows its operands).
+struct Dense {
+  at::Tensor ratio, prob;
+  c10::optional<at::Tensor> delta;
+};
+
+bool too_many_dims(const BandIter& it) { return it.iter.ndim() > MAX_DIMS; }
+
+void materialise(Dense& keep, at::IntArrayRef shape, const at::Tensor* ratio, const at::Tensor& prob,
+                 const c10::optional<at::Tensor>& delta) {
+  if (ratio) keep.ratio = ratio->expand(shape).contiguous();
+  keep.prob = prob.expand(shape).contiguous();
+  if (delta.has_value()) keep.delta = delta->expand(shape).contiguous();
 }
 
 std::tuple<at::Tensor, at::Tensor> bounds_cuda(const at::Tensor& prob, const c10::optional<at::Tensor>& delta,
@@ -143,6 +252,11 @@ std::tuple<at::Tensor, at::Tensor> bounds_cuda(const at::Tensor& prob, const c10
     it.lo.fill_(std::numeric_limits<double>::quiet_NaN());
     it.up.fill_(std::numeric_limits<double>::quiet_NaN());
     return {it.lo, it.up};
+  }
+  Dense keep;
+  if (too_many_dims(it)) {
+    materialise(keep, it.lo.sizes(), nullptr, prob, d.per_token);
+    it = make_band_iter("bounds", nullptr, keep.prob, keep.delta, table, grid, divergence, max_ratio);
   }
   const BandParams P = make_params(table, grid, divergence, log_input, d.scalar, max_ratio, prob.scalar_type());
   launch<false>(it.iter, P, d.per_token_mode(), prob.scalar_type(), prob.get_device());
@@ -158,6 +272,11 @@ at::Tensor clip_cuda(const at::Tensor& ratio, const at::Tensor& prob, const c10:
   if (d.all_nan) {
     it.out.fill_(std::numeric_limits<double>::quiet_NaN());
     return it.out;
+  }
+  Dense keep;
+  if (too_many_dims(it)) {
+    materialise(keep, it.out.sizes(), &ratio, prob, d.per_token);
+    it = make_band_iter("clip", &keep.ratio, keep.prob, keep.delta, table, grid, divergence, max_ratio);
   }
   const BandParams P = make_params(table, grid, divergence, log_input, d.scalar, max_ratio, prob.scalar_type());
   launch<true>(it.iter, P, d.per_token_mode(), prob.scalar_type(), prob.get_device());

@@ -1,8 +1,16 @@
 // CUDA implementation of the fused policy loss: bandpo_lut::policy_loss_fwd / policy_loss_bwd.
 //
-// Grid: (chunks of a row, rows). Each thread accumulates its tokens' row sums and counts in double, a warp
-// shuffle and a shared-memory pass reduce them per block, and one atomicAdd per value and block lands them
-// in the (zero-initialised) outputs. The backward is element-wise and recomputes each token's terms.
+// Forward: two or three launches, whatever the batch, plus one small collapse the first time a (table, δ) is used.
+//  1. loss_tokens_kernel, a resident grid of warps walking warp tiles: a tile is K·32 consecutive tokens
+//     of one row (K <= kMaxK chosen so that a row is split evenly), so no grid dimension depends on the
+//     number of rows. Each warp writes its tile's Σ w·loss and Σ w; each thread accumulates the counts of
+//     all its tiles (integers as 32-bit integers when the mask is 0/1: exact and half the registers), and
+//     each block writes one row of count partials. No atomics.
+//  2. loss_rows_kernel (only when rows span several tiles): each row's sums over its tiles, in order; then
+//     loss_finish_kernel, one block: the rows and the counts over the blocks, in order, and the finish shared
+//     with the CPU (loss_element.h): the aggregated loss, the metric vector and the backward's row scale.
+// Every sum is formed in an order fixed by the shapes and the device: the loss is bit-identical run to run.
+// Backward: one element-wise launch over the same tiles.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -11,174 +19,405 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <type_traits>
+
+#include "cuda/kernel_common.cuh"
 #include "loss_host.h"
 
 namespace bandpo {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kTokensPerThread = 8;
-constexpr int kSums = kNumCounts + 2;   // counts, then the row's Σ w·loss and Σ w
+constexpr int kWarpsPerBlock = kThreads / kWarpSize;
+constexpr int kMaxK = 4;              // tokens per lane and tile, at most (loaded before any math)
+constexpr int kFinishThreads = 512;
+// Resident blocks of kThreads per SM that the element kernels are compiled for: 3 (at most 80 registers) for
+// float arithmetic, 2 (128) for double, whose band and tails need more, and for the forward with a weighted
+// mask, whose twenty float64 count accumulators would spill at 80 (ptxas -v, sm_90).
+template <typename scalar_t, bool WEIGHTED = false>
+constexpr int kMinBlocks = (sizeof(at::opmath_type<scalar_t>) == 8 || WEIGHTED) ? 2 : 3;
 
-template <typename acc_t>
-__device__ void setup_cells(LossParams& L, acc_t* cells) {
-  if (L.clip_kind == kClipBand && L.band.divergence == kKL && !L.per_token_delta) {
-    for (int k = threadIdx.x; k < L.band.table.nt - 1; k += blockDim.x) {
-      double c8[8];
-      collapse_cell(L.band.table, k, L.band.delta_js, L.band.delta_ws, c8);
-      for (int j = 0; j < 8; ++j) cells[8 * k + j] = static_cast<acc_t>(c8[j]);
-    }
-    __syncthreads();
-    if constexpr (std::is_same<acc_t, double>::value) {
-      L.band.cell_d = reinterpret_cast<const double*>(cells);
-    } else {
-      L.band.cell_f = reinterpret_cast<const float*>(cells);
-    }
-  }
+// The warp tiles of a (batch, T) problem: tiles_per_row tiles of k·kWarpSize tokens per row (the last may
+// be partial).
+struct Tiles {
+  int64_t rows, n;           // batch, T
+  int64_t per_row;           // tiles per row
+  int k;                     // tokens per lane and tile (1..kMaxK)
+  __host__ __device__ int64_t count() const { return rows * per_row; }
+};
+
+Tiles make_tiles(int64_t B, int64_t n) {
+  Tiles t{B, n, 1, 1};
+  const int64_t full = static_cast<int64_t>(kWarpSize) * kMaxK;
+  t.per_row = std::max<int64_t>(1, (n + full - 1) / full);
+  const int64_t per_tile = (n + t.per_row - 1) / t.per_row;
+  t.k = static_cast<int>(std::max<int64_t>(1, (per_tile + kWarpSize - 1) / kWarpSize));
+  return t;
 }
 
-template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ bool token_at(const LossParams& L, const DeltaConsts<acc_t>& c, const scalar_t* lp,
-                                         const scalar_t* olp, const scalar_t* adv, const void* mask,
-                                         const scalar_t* delta, int64_t i, acc_t& w, TokenTerms<acc_t>& o) {
-  if (L.mask_kind == kMaskBytes) {
-    w = static_cast<const uint8_t*>(mask)[i] ? acc_t(1) : acc_t(0);
-  } else if (L.mask_kind == kMaskFloat) {
-    w = static_cast<acc_t>(static_cast<const scalar_t*>(mask)[i]);
-  } else {
-    w = acc_t(1);
-  }
-  if (w == acc_t(0)) return false;
-  const acc_t o_lp = static_cast<acc_t>(olp[i]);
-  const acc_t p = exp_any(o_lp);
-  const acc_t d = delta ? static_cast<acc_t>(delta[i]) : c.delta;
-  acc_t lo, up;
-  if (L.per_token_delta) {
-    clip_bounds<acc_t, true>(L, c, o_lp, p, d, lo, up);
-  } else {
-    clip_bounds<acc_t, false>(L, c, o_lp, p, d, lo, up);
-  }
-  token_terms<acc_t>(L, static_cast<acc_t>(lp[i]), o_lp, static_cast<acc_t>(adv[i]), w, p, lo, up, o);
-  return true;
-}
-
+// The inputs (dense row-major (batch, T); LossTensors).
 template <typename scalar_t>
-__global__ void loss_fwd_kernel(LossParams L, const scalar_t* lp, const scalar_t* olp, const scalar_t* adv,
-                                const void* mask, const scalar_t* delta, int64_t n, double* row_sum, double* row_w,
-                                double* counts) {
-  using acc_t = at::opmath_type<scalar_t>;
-  extern __shared__ unsigned char smem_raw[];
-  setup_cells<acc_t>(L, reinterpret_cast<acc_t*>(smem_raw));
-  __shared__ double partial[kThreads / 32][kSums];
-  const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(L.band.delta));
-  const int64_t row = blockIdx.y;
-  const int64_t base = row * n;
-  double sums[kSums];
-  for (int k = 0; k < kSums; ++k) sums[k] = 0.0;
-  const int64_t chunk = static_cast<int64_t>(blockDim.x) * kTokensPerThread;
-  for (int64_t j = blockIdx.x * chunk + threadIdx.x; j < n && j < (blockIdx.x + 1) * chunk; j += blockDim.x) {
-    acc_t w;
-    TokenTerms<acc_t> o;
-    if (token_at<scalar_t, acc_t>(L, c, lp, olp, adv, mask, delta, base + j, w, o)) {
-      add_counts<acc_t, double>(o, w, sums);
-      sums[kNumCounts] += static_cast<double>(o.value);
-      sums[kNumCounts + 1] += static_cast<double>(w);
+struct LossPointers {
+  const scalar_t* lp;
+  const scalar_t* olp;
+  const scalar_t* adv;
+  const scalar_t* delta;   // per-token δ or null
+  const void* mask;        // LossParams::mask_kind says how to read it
+};
+
+// One tile's inputs, loaded before any math (kMaxK tokens per lane in flight per operand).
+template <typename acc_t>
+struct TileInputs {
+  acc_t lp[kMaxK], olp[kMaxK], adv[kMaxK], w[kMaxK], d[kMaxK];
+};
+
+template <typename scalar_t, typename acc_t, bool TOKEN>
+__device__ __forceinline__ void load_tile(const LossParams& L, const LossPointers<scalar_t>& in, const Tiles& t,
+                                          int64_t base, int64_t j0, int lane, TileInputs<acc_t>& x) {
+#pragma unroll
+  for (int k = 0; k < kMaxK; ++k) {
+    const int64_t j = j0 + static_cast<int64_t>(k) * kWarpSize + lane;
+    const bool ok = (k < t.k) & (j < t.n);
+    const int64_t i = base + (ok ? j : 0);
+    x.w[k] = ok ? mask_weight_any<scalar_t, acc_t>(L.mask_kind, in.mask, i) : acc_t(0);
+    x.lp[k] = ok ? static_cast<acc_t>(in.lp[i]) : acc_t(0);
+    x.olp[k] = ok ? static_cast<acc_t>(in.olp[i]) : acc_t(0);
+    x.adv[k] = ok ? static_cast<acc_t>(in.adv[i]) : acc_t(0);
+    x.d[k] = (ok & TOKEN) ? static_cast<acc_t>(in.delta[i]) : acc_t(0);
+  }
+}
+
+template <typename acc_t, bool TOKEN>
+__device__ __forceinline__ void token_at(const LossParams& L, const DeltaConsts<acc_t>& c, const TileInputs<acc_t>& x,
+                                         int k, TokenTerms<acc_t>& o) {
+  const acc_t p = exp_any(x.olp[k]);
+  acc_t lo, up;
+  clip_bounds<acc_t, TOKEN>(L, c, x.olp[k], p, TOKEN ? x.d[k] : c.delta, lo, up);
+  token_terms<acc_t>(L, x.lp[k], x.olp[k], x.adv[k], x.w[k], p, lo, up, o);
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {   // a fixed tree: the same order every run
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off /= 2) v += __shfl_down_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// Per-thread count accumulators: integer-valued counts in 32-bit integers when every weight is 0 or 1
+// (exact), in double for weighted masks; the two real-valued sums always in double.
+template <bool WEIGHTED>
+struct CountAcc {
+  using cnt_t = std::conditional_t<WEIGHTED, double, unsigned>;
+  cnt_t n[kNumCounts];
+  double kl, width;
+  __device__ void zero() {
+#pragma unroll
+    for (int k = 0; k < kNumCounts; ++k) n[k] = cnt_t(0);
+    kl = width = 0.0;
+  }
+  template <typename acc_t>
+  __device__ void add(const TokenTerms<acc_t>& o, acc_t w) {
+    acc_t c[kNumCounts];
+    count_terms<acc_t>(o, w, c, 1);
+#pragma unroll
+    for (int k = 0; k < kNumCounts; ++k) {
+      if (k == kPpoKlSum) {
+        kl += static_cast<double>(c[k]);
+      } else if (k == kBandWidthSum) {
+        width += static_cast<double>(c[k]);
+      } else {
+        n[k] += static_cast<cnt_t>(c[k]);   // 0 or w (0 or 1 unless WEIGHTED)
+      }
     }
   }
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int k = 0; k < kSums; ++k) {
-    double v = sums[k];
-    for (int off = 16; off > 0; off /= 2) v += __shfl_down_sync(0xffffffffu, v, off);
-    if (lane == 0) partial[warp][k] = v;
+  __device__ double value(int k) const {
+    return k == kPpoKlSum ? kl : (k == kBandWidthSum ? width : static_cast<double>(n[k]));
+  }
+};
+
+// Pass 1. tile_sums: [per_row][rows] (Σ w·loss, Σ w) of each tile; block_counts: [gridDim.x][kNumCounts].
+template <typename scalar_t, int CELLS, bool WEIGHTED>
+__global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t, WEIGHTED>) loss_tokens_kernel(LossParams L, const void* cells_src, int n_cells,
+                                                                  LossPointers<scalar_t> in, Tiles t,
+                                                                  double2* tile_sums, double* block_counts) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr bool TOKEN = per_token_mode(CELLS);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ double warp_counts[kWarpsPerBlock][kNumCounts];
+  set_cells<acc_t>(L.band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
+  const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(L.band.delta));
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int64_t n_warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  const int64_t tile_len = static_cast<int64_t>(t.k) * kWarpSize;
+  CountAcc<WEIGHTED> acc;
+  acc.zero();
+  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; tile < t.count(); tile += n_warps) {
+    const int64_t row = tile / t.per_row, part = tile - row * t.per_row;
+    TileInputs<acc_t> x;
+    load_tile<scalar_t, acc_t, TOKEN>(L, in, t, row * t.n, part * tile_len, lane, x);
+    double s = 0.0, w_sum = 0.0;
+#pragma unroll
+    for (int k = 0; k < kMaxK; ++k) {
+      if (x.w[k] != acc_t(0)) {   // ignored tokens contribute nothing, whatever their inputs
+        TokenTerms<acc_t> o;
+        token_at<acc_t, TOKEN>(L, c, x, k, o);
+        acc.add(o, x.w[k]);
+        s += static_cast<double>(o.value);
+        w_sum += static_cast<double>(x.w[k]);
+      }
+    }
+    s = warp_sum(s);
+    w_sum = warp_sum(w_sum);
+    if (lane == 0) tile_sums[part * t.rows + row] = make_double2(s, w_sum);
+  }
+#pragma unroll
+  for (int k = 0; k < kNumCounts; ++k) {
+    const double v = warp_sum(acc.value(k));
+    if (lane == 0) warp_counts[warp][k] = v;
   }
   __syncthreads();
-  if (threadIdx.x < kSums) {
+  if (threadIdx.x < kNumCounts) {
     double v = 0.0;
-    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) v += partial[w][threadIdx.x];
-    if (v != 0.0 || threadIdx.x >= kNumCounts) {
-      double* dst = threadIdx.x < kNumCounts ? counts + threadIdx.x
-                    : (threadIdx.x == kNumCounts ? row_sum + row : row_w + row);
-      atomicAdd(dst, v);
+    for (int w = 0; w < kWarpsPerBlock; ++w) v += warp_counts[w][threadIdx.x];
+    block_counts[static_cast<int64_t>(blockIdx.x) * kNumCounts + threadIdx.x] = v;
+  }
+}
+
+// Pass 2a (rows split into several tiles only): each row's (Σ w·loss, Σ w) over its tiles, in tile order.
+__global__ void __launch_bounds__(kThreads) loss_rows_kernel(Tiles t, const double2* tile_sums, double2* row_sums) {
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < t.rows;
+       b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    double s = 0.0, w = 0.0;
+    for (int64_t part = 0; part < t.per_row; ++part) {   // [part][row]: neighbouring threads read neighbours
+      const double2 v = tile_sums[part * t.rows + b];
+      s += v.x;
+      w += v.y;
+    }
+    row_sums[b] = make_double2(s, w);
+  }
+}
+
+// Pass 2b, one block. Writes the loss, the metric vector and row_scale (which first holds each row's Σ w).
+template <typename scalar_t>
+__global__ void __launch_bounds__(kFinishThreads) loss_finish_kernel(int agg, int64_t rows, const double2* row_sums,
+                                                                    const double* block_counts, int n_blocks,
+                                                                    scalar_t* loss, scalar_t* metrics,
+                                                                    double* row_scale_out) {
+  constexpr int kVals = 4 + kNumCounts;   // s, w, row_mean, n_rows, counts
+  constexpr int kWarps = kFinishThreads / kWarpSize;
+  __shared__ double warp_vals[kWarps][kVals];
+  __shared__ LossTotals totals;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  LossTotals mine{};
+  for (int64_t b = threadIdx.x; b < rows; b += blockDim.x) {
+    const double2 v = row_sums[b];
+    add_row(mine, v.x, v.y);
+    row_scale_out[b] = v.y;
+  }
+  for (int blk = threadIdx.x; blk < n_blocks; blk += blockDim.x) {
+    for (int k = 0; k < kNumCounts; ++k) mine.counts[k] += block_counts[static_cast<int64_t>(blk) * kNumCounts + k];
+  }
+  const double vals[4] = {mine.s, mine.w, mine.row_mean, mine.n_rows};
+  for (int k = 0; k < kVals; ++k) {
+    const double v = warp_sum(k < 4 ? vals[k] : mine.counts[k - 4]);
+    if (lane == 0) warp_vals[warp][k] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    LossTotals T{};
+    for (int w = 0; w < kWarps; ++w) {
+      T.s += warp_vals[w][0];
+      T.w += warp_vals[w][1];
+      T.row_mean += warp_vals[w][2];
+      T.n_rows += warp_vals[w][3];
+      for (int k = 0; k < kNumCounts; ++k) T.counts[k] += warp_vals[w][4 + k];
+    }
+    *loss = static_cast<scalar_t>(aggregate_loss(agg, T));
+    write_metrics<scalar_t>(T, metrics);
+    totals = T;
+  }
+  __syncthreads();
+  for (int64_t b = threadIdx.x; b < rows; b += blockDim.x) row_scale_out[b] = row_scale(agg, totals, row_scale_out[b]);
+}
+
+template <typename scalar_t, int CELLS>
+__global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>) loss_grad_kernel(LossParams L, const void* cells_src, int n_cells,
+                                                                LossPointers<scalar_t> in, Tiles t,
+                                                                const double* grad_loss, const double* row_scale,
+                                                                scalar_t* grad) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr bool TOKEN = per_token_mode(CELLS);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  set_cells<acc_t>(L.band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
+  const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(L.band.delta));
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int64_t n_warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  const int64_t tile_len = static_cast<int64_t>(t.k) * kWarpSize;
+  const double g = *grad_loss;
+  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; tile < t.count(); tile += n_warps) {
+    const int64_t row = tile / t.per_row, part = tile - row * t.per_row;
+    const int64_t base = row * t.n, j0 = part * tile_len;
+    const acc_t gb = static_cast<acc_t>(g * row_scale[row]);
+    TileInputs<acc_t> x;
+    load_tile<scalar_t, acc_t, TOKEN>(L, in, t, base, j0, lane, x);
+#pragma unroll
+    for (int k = 0; k < kMaxK; ++k) {
+      const int64_t j = j0 + static_cast<int64_t>(k) * kWarpSize + lane;
+      if ((k < t.k) & (j < t.n)) {
+        acc_t gi = acc_t(0);
+        if (x.w[k] != acc_t(0)) {
+          TokenTerms<acc_t> o;
+          token_at<acc_t, TOKEN>(L, c, x, k, o);
+          gi = gb * o.grad;
+        }
+        grad[base + j] = static_cast<scalar_t>(gi);
+      }
     }
   }
 }
 
 template <typename scalar_t>
-__global__ void loss_bwd_kernel(LossParams L, const double* grad_row, const scalar_t* lp, const scalar_t* olp,
-                                const scalar_t* adv, const void* mask, const scalar_t* delta, int64_t n,
-                                scalar_t* grad) {
-  using acc_t = at::opmath_type<scalar_t>;
-  extern __shared__ unsigned char smem_raw[];
-  setup_cells<acc_t>(L, reinterpret_cast<acc_t*>(smem_raw));
-  const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(L.band.delta));
-  const int64_t row = blockIdx.y;
-  const acc_t g = static_cast<acc_t>(grad_row[row]);
-  const int64_t chunk = static_cast<int64_t>(blockDim.x) * kTokensPerThread;
-  for (int64_t j = blockIdx.x * chunk + threadIdx.x; j < n && j < (blockIdx.x + 1) * chunk; j += blockDim.x) {
-    acc_t w;
-    TokenTerms<acc_t> o;
-    const int64_t i = row * n + j;
-    const bool counted = token_at<scalar_t, acc_t>(L, c, lp, olp, adv, mask, delta, i, w, o);
-    grad[i] = static_cast<scalar_t>(counted ? g * o.grad : acc_t(0));
-  }
+LossPointers<scalar_t> pointers_of(const LossTensors& T) {
+  return {T.lp.data_ptr<scalar_t>(), T.olp.data_ptr<scalar_t>(), T.adv.data_ptr<scalar_t>(),
+          T.delta.defined() ? T.delta.data_ptr<scalar_t>() : nullptr, T.mask.defined() ? T.mask.data_ptr() : nullptr};
 }
 
-dim3 loss_grid(int64_t B, int64_t n) {
-  const int64_t chunk = static_cast<int64_t>(kThreads) * kTokensPerThread;
-  TORCH_CHECK(B <= 65535, "policy_loss (CUDA): at most 65535 rows, got ", B);
-  return dim3(static_cast<unsigned>(std::max<int64_t>(1, (n + chunk - 1) / chunk)), static_cast<unsigned>(B));
+// The cells of a launch: shared memory for a scalar-δ KL band when it fits beside `static_bytes`.
+template <typename acc_t>
+CellsPlan plan_loss_cells(const LossParams& L, const void* kernel_shared, size_t static_bytes, int device,
+                          cudaStream_t stream) {
+  CellsPlan plan{L.per_token_delta ? kCellsNone : kCellsGlobal, nullptr, L.band.table.nt - 1, 0, at::Tensor()};
+  if (L.per_token_delta || L.clip_kind != kClipBand || L.band.divergence != kKL) return plan;
+  plan.src = cached_cells(L.band, std::is_same<acc_t, double>::value, stream, plan.scratch);
+  plan.smem = shared_cells_bytes(kernel_shared, sizeof(acc_t) * kCellValues * plan.n_cells, static_bytes, device);
+  plan.mode = plan.smem > 0 ? kCellsShared : kCellsGlobal;
+  return plan;
+}
+
+template <typename scalar_t, int CELLS, bool WEIGHTED>
+int launch_tokens(const LossParams& L, const CellsPlan& plan, const LossPointers<scalar_t>& in, const Tiles& t,
+                  at::Tensor& tile_sums, at::Tensor& block_counts, int device, cudaStream_t stream) {
+  const auto kernel = loss_tokens_kernel<scalar_t, CELLS, WEIGHTED>;
+  const size_t smem = CELLS == kCellsShared ? plan.smem : 0;
+  const int64_t needed = (t.count() + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int blocks =
+      static_cast<int>(std::min<int64_t>(needed, resident_blocks((const void*)kernel, kThreads, smem, device)));
+  block_counts = at::empty({blocks, kNumCounts}, tile_sums.options());
+  kernel<<<blocks, kThreads, smem, stream>>>(L, plan.src, plan.n_cells, in, t,
+                                             reinterpret_cast<double2*>(tile_sums.data_ptr<double>()),
+                                             block_counts.data_ptr<double>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return blocks;
+}
+
+template <typename scalar_t, int CELLS>
+int launch_tokens_mask(const LossParams& L, const CellsPlan& plan, const LossPointers<scalar_t>& in, const Tiles& t,
+                       at::Tensor& tile_sums, at::Tensor& block_counts, int device, cudaStream_t stream) {
+  if (L.mask_kind == kMaskFloat) {
+    return launch_tokens<scalar_t, CELLS, true>(L, plan, in, t, tile_sums, block_counts, device, stream);
+  }
+  return launch_tokens<scalar_t, CELLS, false>(L, plan, in, t, tile_sums, block_counts, device, stream);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cuda(
     const at::Tensor& lp, const at::Tensor& olp, const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
     const c10::optional<at::Tensor>& delta, double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid,
     int64_t divergence, int64_t clip_kind, double eps_low, double eps_high, double max_ratio, double dual_clip,
-    int64_t mode) {
+    int64_t mode, int64_t agg) {
   const c10::cuda::CUDAGuard guard(lp.device());
   const LossTensors T = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta);
   const LossParams L = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio, dual_clip,
-                                        mode, delta_scalar, T);
-  const int64_t B = lp.size(0), n = lp.size(1);
-  auto f64 = lp.options().dtype(at::kDouble);
-  at::Tensor row_sum = at::zeros({B}, f64), row_w = at::zeros({B}, f64), counts = at::zeros({kNumCounts}, f64);
-  if (B == 0 || n == 0) return {row_sum, row_w, counts};
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(lp.get_device());
+                                        mode, agg, delta_scalar, T);
+  const int device = lp.get_device();
+  const Tiles t = make_tiles(lp.size(0), lp.size(1));
+  LossOutputs out = empty_loss_outputs(lp);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
+  at::Tensor tile_sums = at::empty({2 * t.count()}, lp.options().dtype(at::kDouble));
+  at::Tensor block_counts;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lp.scalar_type(), "policy_loss_fwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const size_t smem = sizeof(acc_t) * 8 * (L.band.table.nt - 1);
-    loss_fwd_kernel<scalar_t><<<loss_grid(B, n), kThreads, smem, stream>>>(
-        L, T.lp.data_ptr<scalar_t>(), T.olp.data_ptr<scalar_t>(), T.adv.data_ptr<scalar_t>(),
-        T.mask.defined() ? T.mask.data_ptr() : nullptr, T.delta.defined() ? T.delta.data_ptr<scalar_t>() : nullptr, n,
-        row_sum.data_ptr<double>(), row_w.data_ptr<double>(), counts.data_ptr<double>());
+    const LossPointers<scalar_t> in = pointers_of<scalar_t>(T);
+    int blocks = 0;
+    if (t.count() > 0) {
+      const size_t static_bytes = sizeof(double) * kWarpsPerBlock * kNumCounts;
+      const void* shared_kernel = L.mask_kind == kMaskFloat ? (const void*)loss_tokens_kernel<scalar_t, kCellsShared, true>
+                                                            : (const void*)loss_tokens_kernel<scalar_t, kCellsShared, false>;
+      const CellsPlan plan = plan_loss_cells<acc_t>(L, shared_kernel, static_bytes, device, stream);
+      if (plan.mode == kCellsShared) {
+        blocks = launch_tokens_mask<scalar_t, kCellsShared>(L, plan, in, t, tile_sums, block_counts, device, stream);
+      } else if (plan.mode == kCellsGlobal) {
+        blocks = launch_tokens_mask<scalar_t, kCellsGlobal>(L, plan, in, t, tile_sums, block_counts, device, stream);
+      } else {
+        blocks = launch_tokens_mask<scalar_t, kCellsNone>(L, plan, in, t, tile_sums, block_counts, device, stream);
+      }
+    } else {
+      block_counts = at::empty({0}, tile_sums.options());
+    }
+    // One tile per row: the tile sums are the row sums; otherwise one grid-wide pass forms them (so that the
+    // single-block finish reads 16 bytes per row, not per tile).
+    const double2* row_sums = reinterpret_cast<const double2*>(tile_sums.data_ptr<double>());
+    at::Tensor rows_buf;
+    if (t.per_row > 1 && t.rows > 0) {
+      rows_buf = at::empty({2 * t.rows}, tile_sums.options());
+      const int row_blocks = static_cast<int>(std::min<int64_t>((t.rows + kThreads - 1) / kThreads,
+                                                                resident_blocks((const void*)loss_rows_kernel, kThreads,
+                                                                                0, device)));
+      loss_rows_kernel<<<row_blocks, kThreads, 0, stream>>>(t, row_sums,
+                                                             reinterpret_cast<double2*>(rows_buf.data_ptr<double>()));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      row_sums = reinterpret_cast<const double2*>(rows_buf.data_ptr<double>());
+    }
+    loss_finish_kernel<scalar_t><<<1, kFinishThreads, 0, stream>>>(
+        L.agg, t.rows, row_sums, block_counts.data_ptr<double>(), blocks, out.loss.data_ptr<scalar_t>(),
+        out.metrics.data_ptr<scalar_t>(), out.row_scale.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {row_sum, row_w, counts};
+  return {out.loss, out.metrics, out.row_scale};
 }
 
-at::Tensor loss_bwd_cuda(const at::Tensor& grad_row, const at::Tensor& lp, const at::Tensor& olp,
-                         const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
+template <typename scalar_t, int CELLS>
+void launch_grad(const LossParams& L, const CellsPlan& plan, const LossPointers<scalar_t>& in, const Tiles& t,
+                 const at::Tensor& g, const at::Tensor& scale, at::Tensor& grad, int device, cudaStream_t stream) {
+  const auto kernel = loss_grad_kernel<scalar_t, CELLS>;
+  const size_t smem = CELLS == kCellsShared ? plan.smem : 0;
+  const int64_t needed = (t.count() + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int blocks =
+      static_cast<int>(std::min<int64_t>(needed, resident_blocks((const void*)kernel, kThreads, smem, device)));
+  kernel<<<blocks, kThreads, smem, stream>>>(L, plan.src, plan.n_cells, in, t, g.data_ptr<double>(),
+                                             scale.data_ptr<double>(), grad.data_ptr<scalar_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor loss_bwd_cuda(const at::Tensor& grad_loss, const at::Tensor& row_scale, const at::Tensor& lp,
+                         const at::Tensor& olp, const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
                          const c10::optional<at::Tensor>& delta, double delta_scalar, const at::Tensor& table,
                          c10::ArrayRef<double> grid, int64_t divergence, int64_t clip_kind, double eps_low,
                          double eps_high, double max_ratio, double dual_clip, int64_t mode) {
   const c10::cuda::CUDAGuard guard(lp.device());
   const LossTensors T = check_loss_inputs("policy_loss_bwd", lp, olp, adv, mask, delta);
-  TORCH_CHECK(grad_row.dim() == 1 && grad_row.size(0) == lp.size(0) && grad_row.device() == lp.device(),
-              "policy_loss_bwd: grad_row must be a (batch,) tensor on log_prob's device");
-  const at::Tensor g = grad_row.to(at::kDouble).contiguous();
+  check_grad_inputs("policy_loss_bwd", grad_loss, row_scale, lp);
+  const at::Tensor g = grad_loss.reshape({1}).to(at::kDouble);   // read on the device: no synchronisation
+  const at::Tensor scale = row_scale.contiguous();
+  // The aggregation is folded into row_scale: the backward's LossParams never read `agg`.
   const LossParams L = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio, dual_clip,
-                                        mode, delta_scalar, T);
-  const int64_t B = lp.size(0), n = lp.size(1);
-  at::Tensor grad = at::empty_like(T.lp);
-  if (B == 0 || n == 0) return grad;
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(lp.get_device());
+                                        mode, kAggTokenSum, delta_scalar, T);
+  const int device = lp.get_device();
+  const Tiles t = make_tiles(lp.size(0), lp.size(1));
+  at::Tensor grad = at::empty(lp.sizes(), lp.options());   // dense row-major: the layout the kernel writes
+  if (t.count() == 0 || lp.numel() == 0) return grad;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lp.scalar_type(), "policy_loss_bwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const size_t smem = sizeof(acc_t) * 8 * (L.band.table.nt - 1);
-    loss_bwd_kernel<scalar_t><<<loss_grid(B, n), kThreads, smem, stream>>>(
-        L, g.data_ptr<double>(), T.lp.data_ptr<scalar_t>(), T.olp.data_ptr<scalar_t>(), T.adv.data_ptr<scalar_t>(),
-        T.mask.defined() ? T.mask.data_ptr() : nullptr, T.delta.defined() ? T.delta.data_ptr<scalar_t>() : nullptr, n,
-        grad.data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const LossPointers<scalar_t> in = pointers_of<scalar_t>(T);
+    const CellsPlan plan =
+        plan_loss_cells<acc_t>(L, (const void*)loss_grad_kernel<scalar_t, kCellsShared>, 0, device, stream);
+    if (plan.mode == kCellsShared) {
+      launch_grad<scalar_t, kCellsShared>(L, plan, in, t, g, scale, grad, device, stream);
+    } else if (plan.mode == kCellsGlobal) {
+      launch_grad<scalar_t, kCellsGlobal>(L, plan, in, t, g, scale, grad, device, stream);
+    } else {
+      launch_grad<scalar_t, kCellsNone>(L, plan, in, t, g, scale, grad, device, stream);
+    }
   });
   return grad;
 }

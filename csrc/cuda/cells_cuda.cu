@@ -1,0 +1,134 @@
+// The scalar-δ cell cubics on the GPU, collapsed once per (device, table, δ, precision) and cached; the
+// shared-memory check; the resident grid size. See kernel_common.cuh.
+//
+// Tables live for the whole process (the table store never frees them), so the coefficient pointer is a
+// stable key. Cached arrays are never freed either: a δ schedule adds one small entry (8 values per t cell)
+// per distinct δ, and past kMaxEntries entries further δ values are collapsed per call instead (correct,
+// one extra small launch each).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "cuda/kernel_common.cuh"
+
+namespace bandpo {
+namespace {
+
+constexpr size_t kMaxEntries = 4096;
+
+template <typename acc_t>
+__global__ void collapse_kernel(TableView tb, int js, double w0, double w1, double w2, double w3, acc_t* out) {
+  const int k = blockIdx.x * blockDim.x + threadIdx.x;
+  if (k >= tb.nt - 1) return;
+  const double ws[4] = {w0, w1, w2, w3};
+  double c8[kCellValues];
+  collapse_cell(tb, k, js, ws, c8);
+  for (int j = 0; j < kCellValues; ++j) out[kCellValues * k + j] = static_cast<acc_t>(c8[j]);
+}
+
+void launch_collapse(const BandParams& P, bool as_double, void* out, cudaStream_t stream) {
+  const int cells = P.table.nt - 1;
+  const int threads = 128, blocks = (cells + threads - 1) / threads;
+  const double* w = P.delta_ws;
+  if (as_double) {
+    collapse_kernel<double><<<blocks, threads, 0, stream>>>(P.table, P.delta_js, w[0], w[1], w[2], w[3],
+                                                            static_cast<double*>(out));
+  } else {
+    collapse_kernel<float><<<blocks, threads, 0, stream>>>(P.table, P.delta_js, w[0], w[1], w[2], w[3],
+                                                           static_cast<float*>(out));
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+struct Entry {
+  at::Tensor cells;       // the device array (owned for the life of the process)
+  cudaEvent_t ready;      // recorded after the collapse kernel
+  cudaStream_t stream;    // where it was computed
+  bool complete = false;  // the event is known to have completed: no wait needed anywhere
+};
+
+using Key = std::tuple<const float*, int, double, bool>;   // (table coefficients, device, δ, double cells)
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+}  // namespace
+
+const void* cached_cells(const BandParams& P, bool as_double, cudaStream_t stream, at::Tensor& scratch) {
+  static std::mutex mu;
+  static std::map<Key, Entry> cache;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const int64_t values = static_cast<int64_t>(P.table.nt - 1) * kCellValues;
+  const auto options = at::TensorOptions().device(at::kCUDA, device).dtype(as_double ? at::kDouble : at::kFloat);
+  const bool in_capture = capturing(stream);
+  std::lock_guard<std::mutex> lock(mu);
+  const Key key{P.table.coef, device, P.delta, as_double};
+  auto it = cache.find(key);
+  if (it != cache.end()) {
+    Entry& e = it->second;
+    if (e.complete) return e.cells.data_ptr();
+    if (!in_capture) {
+      const cudaError_t q = cudaEventQuery(e.ready);   // non-blocking
+      if (q == cudaSuccess) {
+        e.complete = true;
+      } else if (q == cudaErrorNotReady) {
+        (void)cudaGetLastError();   // clear the not-ready status
+        if (e.stream != stream) C10_CUDA_CHECK(cudaStreamWaitEvent(stream, e.ready, 0));
+      } else {
+        C10_CUDA_CHECK(q);
+      }
+      return e.cells.data_ptr();
+    }
+    // In a capture, an entry that may still be in flight elsewhere is not used (waiting on an event recorded
+    // outside the capture is not allowed): fall through to a per-call collapse.
+  }
+  if (in_capture || cache.size() >= kMaxEntries) {
+    scratch = at::empty({values}, options);
+    launch_collapse(P, as_double, scratch.data_ptr(), stream);
+    return scratch.data_ptr();
+  }
+  Entry e;
+  e.cells = at::empty({values}, options);
+  launch_collapse(P, as_double, e.cells.data_ptr(), stream);
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&e.ready, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventRecord(e.ready, stream));
+  e.stream = stream;
+  const void* ptr = e.cells.data_ptr();
+  cache.emplace(key, std::move(e));
+  return ptr;
+}
+
+size_t shared_cells_bytes(const void* kernel, size_t cells_bytes, size_t static_bytes, int device) {
+  constexpr size_t kDefault = 48 * 1024;   // usable without opting in, on every architecture
+  if (cells_bytes + static_bytes <= kDefault) return cells_bytes;
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (cells_bytes + static_bytes > static_cast<size_t>(optin)) return 0;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(cells_bytes)));
+  return cells_bytes;
+}
+
+int resident_blocks(const void* kernel, int threads, size_t smem, int device) {
+  static int sms[64] = {0};
+  int n_sm = 0;
+  if (device >= 0 && device < 64 && sms[device] > 0) {
+    n_sm = sms[device];
+  } else {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, device));
+    if (device >= 0 && device < 64) sms[device] = n_sm;
+  }
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  return (per_sm > 0 ? per_sm : 1) * (n_sm > 0 ? n_sm : 1);
+}
+
+}  // namespace bandpo

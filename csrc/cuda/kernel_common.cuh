@@ -1,0 +1,84 @@
+// What the CUDA kernels of the band (band_cuda.cu) and of the fused loss (loss_cuda.cu) share:
+//  * the scalar-δ cell cubics: collapsed once per (device, table, δ, precision) by a small kernel and cached
+//    (cells_cuda.cu); the element kernels only read them;
+//  * the one device prologue that stages them in shared memory, and the one host check of shared memory;
+//  * the resident-sized grid.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <cuda_runtime.h>
+
+#include "bandpo_math.h"
+
+namespace bandpo {
+
+// Where a kernel finds the scalar-δ KL cell cubics (a template argument of the element kernels).
+enum CellsMode : int {
+  kCellsNone = 0,     // a per-token δ: no cells (the full 2-D spline per element)
+  kCellsShared = 1,   // scalar δ, KL: staged in dynamic shared memory by the prologue (the fast path)
+  kCellsGlobal = 2,   // scalar δ: read from the cached device array through the read-only cache (KL tables
+                      // too large for shared memory), or none at all (closed-form divergences: null)
+};
+
+// Whether a cells mode means a per-token δ (band_element's PER_TOKEN).
+constexpr bool per_token_mode(int mode) { return mode == kCellsNone; }
+
+constexpr int kCellValues = 8;   // per t cell: the q_up and κ cubics, a0..a3 each
+
+// The cached device array of cell cubics for BandParams' table and scalar δ, in double (as_double) or float,
+// laid out [nt - 1][8]. Computed by one small kernel on `stream` the first time, without host
+// synchronisation; streams other than the one that computed it wait on its event until it has completed.
+// During CUDA-graph capture an entry that is not known complete is not used and none is created: the cells
+// are collapsed into `scratch` (allocated from the capture's pool), so the graph holds its own collapse
+// kernel and never depends on work outside it.
+const void* cached_cells(const BandParams& P, bool as_double, cudaStream_t stream, at::Tensor& scratch);
+
+// Dynamic shared memory for `cells_bytes` of cells in `kernel` (which also uses `static_bytes`): the bytes
+// to request, opting the kernel in above the 48 KB default where the device allows, or 0 when they do not
+// fit (use kCellsGlobal). The one place where shared memory is checked.
+size_t shared_cells_bytes(const void* kernel, size_t cells_bytes, size_t static_bytes, int device);
+
+// Blocks of `threads` that are resident at once on the device for `kernel` with `smem` dynamic bytes
+// (grid-stride kernels launch no more than this: one wave).
+int resident_blocks(const void* kernel, int threads, size_t smem, int device);
+
+// The device prologue of every element kernel: with kCellsShared, copy the cached cells into shared memory
+// (16-byte loads) and return the shared copy; otherwise return `src` (kCellsGlobal) or null. The pointer is
+// assigned once, unconditionally per mode, so that the compiler knows the address space (LDS.128 reads).
+template <int MODE, typename acc_t>
+__device__ __forceinline__ const acc_t* cells_prologue(const acc_t* src, int n_cells, unsigned char* smem_raw) {
+  if constexpr (MODE == kCellsShared) {
+    acc_t* cells = reinterpret_cast<acc_t*>(smem_raw);
+    const int n16 = n_cells * kCellValues * static_cast<int>(sizeof(acc_t)) / 16;
+    const float4* s4 = reinterpret_cast<const float4*>(src);
+    float4* d4 = reinterpret_cast<float4*>(smem_raw);
+    for (int i = threadIdx.x; i < n16; i += blockDim.x) d4[i] = __ldg(s4 + i);
+    __syncthreads();
+    return cells;
+  } else if constexpr (MODE == kCellsGlobal) {
+    return src;
+  } else {
+    return nullptr;
+  }
+}
+
+// Point BandParams at the cells for acc_t (float inputs read cell_f, double inputs cell_d).
+template <typename acc_t>
+__device__ __forceinline__ void set_cells(BandParams& P, const acc_t* cells) {
+  if constexpr (std::is_same<acc_t, double>::value) {
+    P.cell_d = cells;
+  } else {
+    P.cell_f = cells;
+  }
+}
+
+// The cells a launch needs (host): mode and source for a scalar-δ KL band, kCellsNone otherwise.
+struct CellsPlan {
+  int mode;            // CellsMode
+  const void* src;     // device array [n_cells][8] of acc_t, or null
+  int n_cells;
+  size_t smem;         // dynamic shared memory to request
+  at::Tensor scratch;  // keeps a capture-time collapse alive until the launch is enqueued
+};
+
+}  // namespace bandpo
