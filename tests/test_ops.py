@@ -249,13 +249,13 @@ def test_bad_inputs_name_the_argument():
         bandpo_lut.clip(r, p, 1.5)
     with pytest.raises(ValueError, match="delta: 0.0005 is outside"):
         bandpo_lut.bounds(p, 5e-4, "chi2")
-    with pytest.raises(RuntimeError, match="cannot be broadcast"):
+    with pytest.raises(ValueError, match="p_old: shape .* cannot be broadcast"):
         bandpo_lut.clip(torch.rand(3), torch.rand(4), 0.05)
     with pytest.raises(TypeError, match="p_old: expected a floating tensor"):
         bandpo_lut.bounds(torch.tensor([1, 2]), 0.05)
     with pytest.raises(TypeError, match="ratio: expected a floating tensor"):
         bandpo_lut.clip(torch.tensor([1j]), p)
-    with pytest.raises(TypeError, match="delta: expected a Python number or a floating tensor"):
+    with pytest.raises(TypeError, match="delta: expected a number or a floating tensor"):
         bandpo_lut.bounds(p, "0.05")
     with pytest.raises(ValueError, match="ratio: is on meta but p_old is on cpu"):
         bandpo_lut.clip(torch.empty(8, device="meta"), p)
