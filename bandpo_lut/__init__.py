@@ -8,8 +8,8 @@ Importing the package compiles and loads nothing: the compiled extension is load
 __version__ = "0.1.0"
 
 from .api import bounds, clip  # noqa: E402
-from .loss import COUNTS, FRACTIONS, BandPolicyLoss, metrics_from_counts, policy_loss  # noqa: E402
 from .divergences import names as divergence_names  # noqa: E402
+from .loss import COUNTS, FRACTIONS, BandPolicyLoss, metrics_from_counts, policy_loss  # noqa: E402
 
 
 def build_info() -> dict:

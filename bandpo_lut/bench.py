@@ -15,7 +15,6 @@ Times are the median of --repeats calls after a warm-up; ratios are taken within
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import statistics

@@ -38,7 +38,6 @@ import torch
 
 from .cli import max_ratio_arg
 
-
 # name -> policy_loss keyword arguments; max_ratio is added from --max-ratio for dcpo and band.
 METHODS = {
     "ppo-clip": dict(clip="fixed", eps_low=0.2, eps_high=0.2),

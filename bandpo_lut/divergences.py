@@ -13,8 +13,7 @@ see `register`. The limits below are what the tables' tails and the tests rely o
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import mpmath

@@ -91,7 +91,9 @@ def upper_q(div, p, delta, continued=False, guess=None):
             return mpmath.mpf(1)
         if div.continuation == "closed_form":
             return div.closed_form(p, omp, d, MP)[1]
-        h = lambda q: div.g(p, omp, q, MP) - d
+        def h(q):
+            return div.g(p, omp, q, MP) - d
+
         a, b = mpmath.mpf(1), mpmath.mpf(2)
         while h(b) < 0:
             a, b = b, 2 * b
@@ -148,7 +150,9 @@ def lower_q(div, p, delta, continued=False):
             return mpmath.mpf(0)
         if div.continuation == "closed_form":
             return div.closed_form(p, omp, d, MP)[0]
-        h = lambda q: div.g(p, omp, q, MP) - d      # decreasing in q; Ridders takes either sign order
+        def h(q):   # decreasing in q; Ridders takes either sign order
+            return div.g(p, omp, q, MP) - d
+
         a, b = mpmath.mpf(-1), mpmath.mpf(0)
         while h(a) < 0:
             a = 2 * a

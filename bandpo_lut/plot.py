@@ -80,6 +80,7 @@ def draw(curves, args: argparse.Namespace) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from bandpo_lut.reference.policy_loss import ratio_bounds
 
     p, bands = curves

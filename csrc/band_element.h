@@ -15,9 +15,13 @@ template <typename acc_t>
 BANDPO_HD const acc_t* cell_table(const BandParams& P);
 
 template <>
-BANDPO_HD const float* cell_table<float>(const BandParams& P) { return P.cell_f; }
+BANDPO_HD const float* cell_table<float>(const BandParams& P) {
+  return P.cell_f;
+}
 template <>
-BANDPO_HD const double* cell_table<double>(const BandParams& P) { return P.cell_d; }
+BANDPO_HD const double* cell_table<double>(const BandParams& P) {
+  return P.cell_d;
+}
 
 // Float64 inputs: beyond the grid the asymptotic tail values are refined by the exact fixed points
 // (single precision needs no refinement: the asymptotic forms are already below its rounding).
@@ -46,8 +50,8 @@ BANDPO_HD void kl_scalar_delta_t(const BandParams& P, const acc_t* cells, const 
 }
 
 template <typename acc_t>
-BANDPO_HD void kl_scalar_delta(const BandParams& P, const acc_t* cells, const DeltaConsts<acc_t>& c, acc_t x,
-                               acc_t& lo, acc_t& up) {
+BANDPO_HD void kl_scalar_delta(const BandParams& P, const acc_t* cells, const DeltaConsts<acc_t>& c, acc_t x, acc_t& lo,
+                               acc_t& up) {
   if (P.log_input) {
     kl_scalar_delta_t<true, acc_t>(P, cells, c, x, lo, up);
   } else {
@@ -79,8 +83,8 @@ BANDPO_HD void closed_form(const BandParams& P, acc_t x, double delta, acc_t& lo
 
 // Any divergence, any δ mode; applies the δ-range check (per-token δ) and the max_ratio cap.
 template <typename acc_t, bool PER_TOKEN>
-BANDPO_HD void band_element(const BandParams& P, const DeltaConsts<acc_t>& c, acc_t x, acc_t delta,
-                            acc_t& lo, acc_t& up) {
+BANDPO_HD void band_element(const BandParams& P, const DeltaConsts<acc_t>& c, acc_t x, acc_t delta, acc_t& lo,
+                            acc_t& up) {
   const bool ok = !PER_TOKEN || delta_valid<acc_t>(P.table, delta);
   if (PER_TOKEN) delta = delta_in_range<acc_t>(P.table, delta);
   if (P.divergence == kKL) {

@@ -16,7 +16,6 @@
 
 namespace bandpo {
 
-
 inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
 }
@@ -39,8 +38,7 @@ struct DeltaArg {
 
 inline double round_to(at::ScalarType t, double x);
 
-inline DeltaArg resolve_delta(const c10::optional<at::Tensor>& delta, double delta_scalar,
-                              c10::ArrayRef<double> grid) {
+inline DeltaArg resolve_delta(const c10::optional<at::Tensor>& delta, double delta_scalar, c10::ArrayRef<double> grid) {
   if (!is_host_scalar_delta(delta)) return {delta, delta_scalar, false};
   const double d = delta->item<double>();
   const double dmin = grid[kDeltaMin], dmax = grid[kDeltaMax];
@@ -52,8 +50,10 @@ inline DeltaArg resolve_delta(const c10::optional<at::Tensor>& delta, double del
 inline void check_prob_and_delta(const char* op, const at::Tensor& prob, const c10::optional<at::Tensor>& delta,
                                  const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
                                  double max_ratio) {
-  TORCH_CHECK(is_supported_float(prob.scalar_type()), op, ": p_old/log_p_old must be float32, float64, float16 or "
-              "bfloat16, got ", prob.scalar_type());
+  TORCH_CHECK(is_supported_float(prob.scalar_type()), op,
+              ": p_old/log_p_old must be float32, float64, float16 or "
+              "bfloat16, got ",
+              prob.scalar_type());
   if (is_host_scalar_delta(delta)) {
     TORCH_CHECK(is_supported_float(delta->scalar_type()), op, ": delta must be a floating tensor, got ",
                 delta->scalar_type());
@@ -63,8 +63,8 @@ inline void check_prob_and_delta(const char* op, const at::Tensor& prob, const c
     TORCH_CHECK(delta->device() == prob.device(), op, ": delta is on ", delta->device(), " but p_old is on ",
                 prob.device());
   }
-  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 3 && table.size(0) == 2 && table.is_contiguous(),
-              op, ": table must be a contiguous float32 tensor of shape (2, n_t + 2, n_s + 2)");
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 3 && table.size(0) == 2 && table.is_contiguous(), op,
+              ": table must be a contiguous float32 tensor of shape (2, n_t + 2, n_s + 2)");
   TORCH_CHECK(table.size(1) >= 6 && table.size(2) >= 6, op, ": table is too small");
   TORCH_CHECK(table.device() == prob.device(), op, ": table is on ", table.device(), " but p_old is on ",
               prob.device());
@@ -77,17 +77,20 @@ inline void check_prob_and_delta(const char* op, const at::Tensor& prob, const c
 // x rounded to the storage type `t` of a per-token δ tensor, back in double.
 inline double round_to(at::ScalarType t, double x) {
   switch (t) {
-    case at::kFloat: return static_cast<double>(static_cast<float>(x));
-    case at::kHalf: return static_cast<double>(static_cast<float>(c10::Half(static_cast<float>(x))));
-    case at::kBFloat16: return static_cast<double>(static_cast<float>(c10::BFloat16(static_cast<float>(x))));
-    default: return x;
+    case at::kFloat:
+      return static_cast<double>(static_cast<float>(x));
+    case at::kHalf:
+      return static_cast<double>(static_cast<float>(c10::Half(static_cast<float>(x))));
+    case at::kBFloat16:
+      return static_cast<double>(static_cast<float>(c10::BFloat16(static_cast<float>(x))));
+    default:
+      return x;
   }
 }
 
 // delta_dtype: the storage type of a per-token δ, whose range ends count as those ends rounded to it.
-inline BandParams make_params(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
-                              bool log_input, double delta, double max_ratio,
-                              at::ScalarType delta_dtype = at::kDouble) {
+inline BandParams make_params(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence, bool log_input,
+                              double delta, double max_ratio, at::ScalarType delta_dtype = at::kDouble) {
   BandParams P{};
   P.table.coef = table.data_ptr<float>();
   P.table.nt = static_cast<int>(table.size(1)) - 2;

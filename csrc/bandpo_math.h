@@ -24,40 +24,40 @@ constexpr int kWarpSize = 32;
 
 // The table as the kernels see it. Plain data: pointers and sizes only, no at::Tensor.
 struct TableView {
-  const float* coef;   // [2][nt + 2][ns + 2] B-spline coefficients: [0] q_up, [1] κ; row-major
-  int nt;              // nodes along t (coefficients: nt + 2)
-  int ns;              // nodes along s (coefficients: ns + 2)
-  double t_min;        // first t node; nodes are t_min + i·t_step (t_step a power of two: exact)
+  const float* coef;  // [2][nt + 2][ns + 2] B-spline coefficients: [0] q_up, [1] κ; row-major
+  int nt;             // nodes along t (coefficients: nt + 2)
+  int ns;             // nodes along s (coefficients: ns + 2)
+  double t_min;       // first t node; nodes are t_min + i·t_step (t_step a power of two: exact)
   double t_step;
-  double s_min;        // first s node (log δ_min); nodes s_min + j·s_step
+  double s_min;  // first s node (log δ_min); nodes s_min + j·s_step
   double s_step;
-  double delta_min;    // the table's δ range
+  double delta_min;  // the table's δ range
   double delta_max;
   bool delta_max_inclusive;
-  double valid_min;    // the range ends rounded to the storage type of a per-token δ: a δ that rounds to an
-  double valid_max;    // end counts as that end; outside [valid_min, valid_max] a per-token δ yields NaN
+  double valid_min;  // the range ends rounded to the storage type of a per-token δ: a δ that rounds to an
+  double valid_max;  // end counts as that end; outside [valid_min, valid_max] a per-token δ yields NaN
 };
 
 // Everything a kernel needs besides the element pointers.
 struct BandParams {
   TableView table;
-  int divergence;          // Divergence
-  bool log_input;          // the probability argument holds log p (more accurate for p near 1)
-  double max_ratio;        // upper bounds are capped here (+inf: no cap)
-  double delta;            // the scalar δ (when no per-token δ tensor is given)
-  int delta_js;            // scalar δ: its s-axis cell and B-spline weights, for collapsing the table
+  int divergence;    // Divergence
+  bool log_input;    // the probability argument holds log p (more accurate for p near 1)
+  double max_ratio;  // upper bounds are capped here (+inf: no cap)
+  double delta;      // the scalar δ (when no per-token δ tensor is given)
+  int delta_js;      // scalar δ: its s-axis cell and B-spline weights, for collapsing the table
   double delta_ws[4];
-  const float* cell_f;     // scalar δ, KL: [nt - 1][8] power-basis cubics per t cell (q_up, κ), float
-  const double* cell_d;    // the same in double, for float64 inputs
+  const float* cell_f;   // scalar δ, KL: [nt - 1][8] power-basis cubics per t cell (q_up, κ), float
+  const double* cell_d;  // the same in double, for float64 inputs
 };
 
 // ---- per-δ constants -------------------------------------------------------------------------------
 template <typename T>
 struct DeltaConsts {
-  T delta;      // δ
-  T rho0;       // 1 - e^{-δ}: lim_{p→0} q_up, and lim_{p→1} (1 - r_lo)
-  T log_rho0;   // log(1 - e^{-δ})
-  T exp_neg;    // e^{-δ}
+  T delta;     // δ
+  T rho0;      // 1 - e^{-δ}: lim_{p→0} q_up, and lim_{p→1} (1 - r_lo)
+  T log_rho0;  // log(1 - e^{-δ})
+  T exp_neg;   // e^{-δ}
 };
 
 template <typename T>
@@ -92,7 +92,7 @@ BANDPO_HD int axis_cell(T x, double x0, double step, int n, T& u) {
   const T inv = T(1.0 / step);
   int i = static_cast<int>((xc - lo) * inv);
   i = i < 0 ? 0 : (i > n - 2 ? n - 2 : i);
-  const T xi = lo + T(i) * T(step);   // exact for a dyadic step (the t axis); rounded once otherwise
+  const T xi = lo + T(i) * T(step);  // exact for a dyadic step (the t axis); rounded once otherwise
   T f = (xc - xi) * inv;
   u = f < T(0) ? T(0) : (f > T(1) ? T(1) : f);
   return i;
@@ -222,8 +222,8 @@ BANDPO_HD double kl_refine_lower(double p, double one_minus_p, double r, double 
 
 // KL bounds from the value pair (q_up, κ) interpolated at the clamped t, plus the tails.
 template <typename T>
-BANDPO_HD void kl_finish(T p, T one_minus_p, T t, T q_tab, T kappa, const DeltaConsts<T>& c, const TableView& tb,
-                         T& lo, T& up) {
+BANDPO_HD void kl_finish(T p, T one_minus_p, T t, T q_tab, T kappa, const DeltaConsts<T>& c, const TableView& tb, T& lo,
+                         T& up) {
   const T tmax = T(tb.t_min + (tb.nt - 1) * tb.t_step), tmin = T(tb.t_min);
   T q = q_tab < p ? p : (q_tab > T(1) ? T(1) : q_tab);
   T q_tail;
@@ -232,7 +232,7 @@ BANDPO_HD void kl_finish(T p, T one_minus_p, T t, T q_tab, T kappa, const DeltaC
   // One division serves every quotient below. It is taken of p·2^k, which keeps it finite for subnormal p
   // (a float32 p < 2.9e-39, where 1/p overflows but q/p does not); scaling by a power of two is exact, so
   // elsewhere these are the bits of q·(1/p).
-  const T scale = sizeof(T) == 4 ? T(16777216.0) : T(1152921504606846976.0);   // 2^24, 2^60
+  const T scale = sizeof(T) == 4 ? T(16777216.0) : T(1152921504606846976.0);  // 2^24, 2^60
   const T inv_ps = T(1) / (p * scale);
   const T inv_p = inv_ps * scale;
   up = (t > tmax) ? inv_p : (q * scale) * inv_ps;
@@ -250,39 +250,39 @@ BANDPO_HD void kl_finish(T p, T one_minus_p, T t, T q_tab, T kappa, const DeltaC
 // product enters exactly (its rounding error recovered by an FMA), so the gap has one rounding.
 BANDPO_HD double gap_p_minus_delta_times(double p, double delta, double one_minus_x) {
   const double prod = delta * one_minus_x;
-  const double err = fma(delta, one_minus_x, -prod);   // delta·(1-x) = prod + err exactly
+  const double err = fma(delta, one_minus_x, -prod);  // delta·(1-x) = prod + err exactly
   return ((p - delta) + prod) + err;
 }
 
 BANDPO_HD void closed_form_bounds(int div, double p, double one_minus_p, double delta, double& lo, double& up) {
   switch (static_cast<Divergence>(div)) {
-    case kTV: {                               // r = 1 ± δ/p
+    case kTV: {  // r = 1 ± δ/p
       up = (one_minus_p <= delta) ? 1.0 / p : 1.0 + delta / p;
       lo = (p <= delta) ? 0.0 : (p - delta) / p;
       break;
     }
-    case kChi2: {                             // r = 1 ± sqrt(δ(1-p)/p)
+    case kChi2: {  // r = 1 ± sqrt(δ(1-p)/p)
       const double w = sqrt(delta * one_minus_p / p);
-      const double gap = gap_p_minus_delta_times(p, delta, p);   // p - δ(1-p)
+      const double gap = gap_p_minus_delta_times(p, delta, p);  // p - δ(1-p)
       up = (one_minus_p <= delta * p) ? 1.0 / p : 1.0 + w;
       lo = (gap <= 0.0) ? 0.0 : gap / (p * (1.0 + w));
       break;
     }
-    case kHellinger: {                        // √q = √p·cos α ± √(1-p)·sin α, cos α = 1 - δ/2
+    case kHellinger: {  // √q = √p·cos α ± √(1-p)·sin α, cos α = 1 - δ/2
       // a - b is written as (p - sin²α)/(a + b) (a² - b² = p - sin²α): no cancellation near saturation.
       const double ca = 1.0 - 0.5 * delta, s2 = delta * (1.0 - 0.25 * delta);
       const double a = sqrt(p) * ca, b = sqrt(one_minus_p * s2);
-      const double gap = gap_p_minus_delta_times(p, delta, 0.25 * delta);   // p - sin²α = p - δ(1 - δ/4)
+      const double gap = gap_p_minus_delta_times(p, delta, 0.25 * delta);  // p - sin²α = p - δ(1 - δ/4)
       const double a_minus_b = gap / (a + b);
       up = (sqrt(p) >= ca) ? 1.0 / p : (a + b) * (a + b) / p;
       lo = (gap <= 0.0) ? 0.0 : a_minus_b * a_minus_b / p;
       break;
     }
-    case kKL:                                 // no closed form (read from the table): never called for it
+    case kKL:  // no closed form (read from the table): never called for it
       lo = up = 0.0 / 0.0;
       return;
   }
-  if (one_minus_p == 0.0) up = 1.0;                 // p = 1 exactly
+  if (one_minus_p == 0.0) up = 1.0;  // p = 1 exactly
   if (p == 0.0) lo = 0.0;
 }
 
@@ -291,7 +291,7 @@ template <typename T>
 BANDPO_HD T clamp_like_torch(T x, T lo, T up) {
   T y = x < lo ? lo : x;
   y = y > up ? up : y;
-  y = (lo != lo) ? lo : y;   // NaN bounds propagate, as torch.clamp's do
+  y = (lo != lo) ? lo : y;  // NaN bounds propagate, as torch.clamp's do
   y = (up != up) ? up : y;
   return (x != x) ? x : y;
 }

@@ -40,7 +40,8 @@
 
 #if BANDPO_BUILD_CONFIG_GENERATED
 #if defined(BANDPO_WITH_CUDA) != (BANDPO_BUILD_WITH_CUDA != 0)
-#error "BANDPO_WITH_CUDA disagrees with the generated bandpo_build_config.h: stale build folder? Remove build/ and rebuild."
+#error \
+    "BANDPO_WITH_CUDA disagrees with the generated bandpo_build_config.h: stale build folder? Remove build/ and rebuild."
 #endif
 #endif
 

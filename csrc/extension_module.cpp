@@ -5,7 +5,8 @@
 // backends): that is how the ops reach torch.ops.bandpo_lut. The module itself is empty, but for
 // one string, `build_info_json` (csrc/build_info.h), so that Python can ask the library itself what
 // it was built with, and `divergences` ({name: id} of csrc/divergence.h), so that a test can hold Python's
-// registry to the compiled list, and `grid_fields` (csrc/table_grid.h), the order of the ops' grid argument. Import torch before this module: the library links against libtorch.
+// registry to the compiled list, and `grid_fields` (csrc/table_grid.h), the order of the ops' grid argument. Import
+// torch before this module: the library links against libtorch.
 #include <Python.h>
 
 #include "build_info.h"
@@ -44,10 +45,10 @@ static int add_grid_fields(PyObject* module) {
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {
       PyModuleDef_HEAD_INIT,
-      "_C",                                                             // name
+      "_C",                                                                     // name
       "bandpo_lut compiled ops; they are registered in torch.ops.bandpo_lut.",  // doc
-      -1,       // no per-interpreter state
-      nullptr,  // no methods
+      -1,                                                                       // no per-interpreter state
+      nullptr,                                                                  // no methods
   };
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) {

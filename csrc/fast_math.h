@@ -95,7 +95,8 @@ BANDPO_HD float exp_f32(float x) {
   const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
   const float pr =
-      1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r * (1.0f / 5040)))))));
+      1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 +
+                                          r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r * (1.0f / 5040)))))));
   const std::int32_t ni = static_cast<std::int32_t>(xc == xc ? n : 0.0f);
   const std::int32_t n1 = ni / 2, n2 = ni - n1;
   const float out = pr * bits_to_float((n1 + 127) << 23) * bits_to_float((n2 + 127) << 23);
@@ -113,7 +114,8 @@ BANDPO_HD float exp_f32_normal(float x) {
   const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
   const float pr =
-      1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r * (1.0f / 5040)))))));
+      1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 +
+                                          r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r * (1.0f / 5040)))))));
   const std::int32_t ni = static_cast<std::int32_t>(xc == xc ? n : 0.0f);
   const float out = pr * bits_to_float((ni + 127) << 23);
   return (x != x) ? x : out;
@@ -128,7 +130,10 @@ BANDPO_HD float expm1_f32(float x) {
 #if defined(__CUDA_ARCH__)
   return expm1f(x);
 #else
-  const float s = x * (1.0f + x * (0.5f + x * (1.0f / 6 + x * (1.0f / 24 + x * (1.0f / 120 + x * (1.0f / 720 + x * (1.0f / 5040 + x * (1.0f / 40320))))))));
+  const float s =
+      x * (1.0f + x * (0.5f + x * (1.0f / 6 +
+                                   x * (1.0f / 24 + x * (1.0f / 120 +
+                                                         x * (1.0f / 720 + x * (1.0f / 5040 + x * (1.0f / 40320))))))));
   const float big = exp_f32(x) - 1.0f;
   const float ax = x < 0.0f ? -x : x;
   return ax < 0.35f ? s : big;

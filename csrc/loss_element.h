@@ -17,10 +17,18 @@ enum MaskKind : int { kMaskNone = 0, kMaskBytes = 1, kMaskFloat = 2 };
 
 // Indices into the counts vector (bandpo_lut.loss_spec.COUNTS).
 enum CountIndex : int {
-  kNTokens = 0, kNClipped, kNClippedUpper, kNClippedLower, kNDualClipped, kNLowprobPos,
-  kNClippedUpperLowprob, kPpoKlSum, kBandWidthSum, kNBandFinite,
-  kNTokensBucket0 = 10,    // 10..14: tokens with p in [0,.2), [.2,.4), [.4,.6), [.6,.8), [.8,1]
-  kNClippedBucket0 = 15,   // 15..19: clipped tokens in those buckets
+  kNTokens = 0,
+  kNClipped,
+  kNClippedUpper,
+  kNClippedLower,
+  kNDualClipped,
+  kNLowprobPos,
+  kNClippedUpperLowprob,
+  kPpoKlSum,
+  kBandWidthSum,
+  kNBandFinite,
+  kNTokensBucket0 = 10,   // 10..14: tokens with p in [0,.2), [.2,.4), [.4,.6), [.6,.8), [.8,1]
+  kNClippedBucket0 = 15,  // 15..19: clipped tokens in those buckets
   kNumCounts = 20
 };
 constexpr int kNumBuckets = 5;
@@ -34,35 +42,48 @@ struct FractionDef {
 };
 BANDPO_HD FractionDef fraction_def(int f) {
   switch (f) {
-    case 0: return {kPpoKlSum, kNTokens};                   // ppo_kl
-    case 1: return {kNClipped, kNTokens};                   // clip_frac
-    case 2: return {kNClippedUpper, kNTokens};              // clip_frac_upper
-    case 3: return {kNClippedLower, kNTokens};              // clip_frac_lower
-    case 4: return {kNDualClipped, kNTokens};               // dual_clip_frac
-    case 5: return {kNClippedUpperLowprob, kNLowprobPos};   // clip_frac_upper_lowprob
-    case 6: return {kBandWidthSum, kNBandFinite};           // band_width_mean
-    default: return {kNClippedBucket0 + (f - 7), kNTokensBucket0 + (f - 7)};   // clip_frac_pXX_YY
+    case 0:
+      return {kPpoKlSum, kNTokens};  // ppo_kl
+    case 1:
+      return {kNClipped, kNTokens};  // clip_frac
+    case 2:
+      return {kNClippedUpper, kNTokens};  // clip_frac_upper
+    case 3:
+      return {kNClippedLower, kNTokens};  // clip_frac_lower
+    case 4:
+      return {kNDualClipped, kNTokens};  // dual_clip_frac
+    case 5:
+      return {kNClippedUpperLowprob, kNLowprobPos};  // clip_frac_upper_lowprob
+    case 6:
+      return {kBandWidthSum, kNBandFinite};  // band_width_mean
+    default:
+      return {kNClippedBucket0 + (f - 7), kNTokensBucket0 + (f - 7)};  // clip_frac_pXX_YY
   }
 }
 
 // The lower edge of probability bucket k (loss_spec.BUCKETS; the last bucket includes p = 1).
 BANDPO_HD double bucket_edge(int k) {
   switch (k) {
-    case 0: return 0.0;
-    case 1: return 0.2;
-    case 2: return 0.4;
-    case 3: return 0.6;
-    default: return 0.8;
+    case 0:
+      return 0.0;
+    case 1:
+      return 0.2;
+    case 2:
+      return 0.4;
+    case 3:
+      return 0.6;
+    default:
+      return 0.8;
   }
 }
 
-constexpr double kLogRatioClamp = 20.0;   // loss_spec.LOG_RATIO_CLAMP
-constexpr double kLowProb = 0.2;          // loss_spec.LOWPROB
+constexpr double kLogRatioClamp = 20.0;  // loss_spec.LOG_RATIO_CLAMP
+constexpr double kLowProb = 0.2;         // loss_spec.LOWPROB
 
 struct LossParams {
-  BandParams band;       // the band (clip_kind == kClipBand; band.log_input is true) and the max_ratio cap
-  int clip_kind;         // ClipKind
-  double eps_low;        // fixed: [1 - eps_low, 1 + eps_high]; dcpo: its two constants
+  BandParams band;  // the band (clip_kind == kClipBand; band.log_input is true) and the max_ratio cap
+  int clip_kind;    // ClipKind
+  double eps_low;   // fixed: [1 - eps_low, 1 + eps_high]; dcpo: its two constants
   double eps_high;
   double dual_clip;      // c > 1, or 0 for no dual clip
   int mode;              // LossMode
@@ -89,11 +110,11 @@ BANDPO_HD acc_t mask_weight_any(int mask_kind, const void* mask, int64_t i) {
 
 template <typename T>
 struct TokenTerms {
-  T value;       // w · loss_t (0 for w == 0)
-  T grad;        // w · ∂loss_t/∂log_prob_t
-  T p;           // p_old
-  T lo, up;      // the bounds
-  T neg_d;       // old_log_prob - log_prob, clamped: the ppo_kl summand (before w)
+  T value;        // w · loss_t (0 for w == 0)
+  T grad;         // w · ∂loss_t/∂log_prob_t
+  T p;            // p_old
+  T lo, up;       // the bounds
+  T neg_d;        // old_log_prob - log_prob, clamped: the ppo_kl summand (before w)
   bool positive;  // A > 0
   bool clipped_upper, clipped_lower, dual_clipped;
 };
@@ -101,8 +122,8 @@ struct TokenTerms {
 // The bounds of the chosen clip at old log-probability olp, capped by max_ratio once (band_element caps
 // the band itself).
 template <typename acc_t, bool PER_TOKEN>
-BANDPO_HD void clip_bounds(const LossParams& L, const DeltaConsts<acc_t>& c, acc_t olp, acc_t p, acc_t dtok,
-                           acc_t& lo, acc_t& up) {
+BANDPO_HD void clip_bounds(const LossParams& L, const DeltaConsts<acc_t>& c, acc_t olp, acc_t p, acc_t dtok, acc_t& lo,
+                           acc_t& up) {
   if (L.clip_kind == kClipBand) {
     band_element<acc_t, PER_TOKEN>(L.band, c, olp, dtok, lo, up);
     return;
@@ -121,13 +142,13 @@ BANDPO_HD void clip_bounds(const LossParams& L, const DeltaConsts<acc_t>& c, acc
 
 // Everything about one token with weight w != 0 and bounds (lo, up) already known.
 template <typename acc_t>
-BANDPO_HD void token_terms(const LossParams& L, acc_t lp, acc_t olp, acc_t adv, acc_t w, acc_t p, acc_t lo,
-                           acc_t up, TokenTerms<acc_t>& o) {
+BANDPO_HD void token_terms(const LossParams& L, acc_t lp, acc_t olp, acc_t adv, acc_t w, acc_t p, acc_t lo, acc_t up,
+                           TokenTerms<acc_t>& o) {
   const acc_t raw = lp - olp;
   const acc_t clampv = acc_t(kLogRatioClamp);
   const acc_t d = raw < -clampv ? -clampv : (raw > clampv ? clampv : raw);
-  const bool in_clamp = (raw >= -clampv) & (raw <= clampv);   // torch.clamp's gradient is inclusive
-  const acc_t r = exp_normal_any(d);   // |d| <= 20: never subnormal
+  const bool in_clamp = (raw >= -clampv) & (raw <= clampv);  // torch.clamp's gradient is inclusive
+  const acc_t r = exp_normal_any(d);                         // |d| <= 20: never subnormal
   const bool pos = adv > acc_t(0), neg = adv < acc_t(0);
   o.positive = pos;
   // Bitwise & and | throughout: no short-circuit branches, so that the CPU loops vectorise.
@@ -138,7 +159,7 @@ BANDPO_HD void token_terms(const LossParams& L, acc_t lp, acc_t olp, acc_t adv, 
   o.dual_clipped = has_dual & neg & (r > cdual);
   const acc_t surrogate = -adv * r;
   acc_t per = surrogate;
-  const bool clip_mode = L.mode == kModeClip;   // selects, not an if-block: the CPU loops vectorise
+  const bool clip_mode = L.mode == kModeClip;  // selects, not an if-block: the CPU loops vectorise
   per = (clip_mode & o.clipped_lower) ? -adv * lo : per;
   per = (clip_mode & o.clipped_upper) ? -adv * up : per;
   per = (clip_mode & o.dual_clipped) ? -adv * cdual : per;
@@ -147,8 +168,8 @@ BANDPO_HD void token_terms(const LossParams& L, acc_t lp, acc_t olp, acc_t adv, 
   const bool nan_bounds = (lo != lo) | (up != up);
   per = nan_bounds ? lo + up : per;
   o.value = w * per;
-  o.grad = no_grad ? acc_t(0) : w * surrogate;   // ∂(-A·e^d)/∂lp = -A·r inside the clamp
-  o.grad = nan_bounds ? acc_t(0) : o.grad;       // the NaN loss is a constant there: no gradient
+  o.grad = no_grad ? acc_t(0) : w * surrogate;  // ∂(-A·e^d)/∂lp = -A·r inside the clamp
+  o.grad = nan_bounds ? acc_t(0) : o.grad;      // the NaN loss is a constant there: no gradient
   o.p = p;
   o.lo = lo;
   o.up = up;
@@ -170,15 +191,15 @@ BANDPO_HD void count_terms(const TokenTerms<acc_t>& o, acc_t w, acc_t* c, int st
   c[kNDualClipped * stride] = o.dual_clipped ? w : zero;
   c[kNLowprobPos * stride] = lowprob_pos ? w : zero;
   c[kNClippedUpperLowprob * stride] = (lowprob_pos & o.clipped_upper) ? w : zero;
-  c[kPpoKlSum * stride] = (w != zero) ? w * o.neg_d : zero;   // w == 0: exactly 0 even for NaN inputs
+  c[kPpoKlSum * stride] = (w != zero) ? w * o.neg_d : zero;  // w == 0: exactly 0 even for NaN inputs
   c[kBandWidthSum * stride] = finite_up ? w * (o.up - o.lo) : zero;
   c[kNBandFinite * stride] = finite_up ? w : zero;
   // Buckets [0,.2), [.2,.4), [.4,.6), [.6,.8), [.8, 1], written out (no inner loop: the CPU loops around
   // this stay vectorisable). NaN p is in none.
-  const bool e0 = o.p >= acc_t(bucket_edge(0)), e1 = o.p >= acc_t(bucket_edge(1)),
-             e2 = o.p >= acc_t(bucket_edge(2)), e3 = o.p >= acc_t(bucket_edge(3)), e4 = o.p >= acc_t(bucket_edge(4));
-  const bool in0 = e0 & !e1, in1 = e1 & !e2, in2 = e2 & !e3, in3 = e3 & !e4, in4 = e4;   // (no bool array:
-  c[(kNTokensBucket0 + 0) * stride] = in0 ? w : zero;                            //  it would sit in memory)
+  const bool e0 = o.p >= acc_t(bucket_edge(0)), e1 = o.p >= acc_t(bucket_edge(1)), e2 = o.p >= acc_t(bucket_edge(2)),
+             e3 = o.p >= acc_t(bucket_edge(3)), e4 = o.p >= acc_t(bucket_edge(4));
+  const bool in0 = e0 & !e1, in1 = e1 & !e2, in2 = e2 & !e3, in3 = e3 & !e4, in4 = e4;  // (no bool array:
+  c[(kNTokensBucket0 + 0) * stride] = in0 ? w : zero;                                   //  it would sit in memory)
   c[(kNTokensBucket0 + 1) * stride] = in1 ? w : zero;
   c[(kNTokensBucket0 + 2) * stride] = in2 ? w : zero;
   c[(kNTokensBucket0 + 3) * stride] = in3 ? w : zero;
@@ -202,10 +223,10 @@ BANDPO_HD void add_counts(const TokenTerms<acc_t>& o, acc_t w, sum_t* counts) {
 // Everything after the token loop, for every backend. The sums are float64 and are added in a fixed order
 // (so the results are bit-identical run to run).
 struct LossTotals {
-  double s;          // Σ_b S_b, S_b = Σ_t w·loss on row b
-  double w;          // Σ_b W_b, W_b = Σ_t w
-  double row_mean;   // Σ_b S_b / W_b over rows with W_b != 0
-  double n_rows;     // rows with W_b > 0
+  double s;         // Σ_b S_b, S_b = Σ_t w·loss on row b
+  double w;         // Σ_b W_b, W_b = Σ_t w
+  double row_mean;  // Σ_b S_b / W_b over rows with W_b != 0
+  double n_rows;    // rows with W_b > 0
   double counts[kNumCounts];
 };
 
@@ -219,20 +240,28 @@ BANDPO_HD void add_row(LossTotals& T, double s_b, double w_b) {
 // The aggregated loss (as loss_spec specifies: 0, never NaN, for an empty mask).
 BANDPO_HD double aggregate_loss(int agg, const LossTotals& T) {
   switch (agg) {
-    case kAggTokenMean: return T.w != 0.0 ? T.s / T.w : 0.0;
-    case kAggTokenSum: return T.s;
-    case kAggSeqMeanTokenMean: return T.n_rows != 0.0 ? T.row_mean / T.n_rows : 0.0;
-    default: return T.n_rows != 0.0 ? T.s / T.n_rows : 0.0;   // kAggSeqMeanTokenSum (ids checked on the host)
+    case kAggTokenMean:
+      return T.w != 0.0 ? T.s / T.w : 0.0;
+    case kAggTokenSum:
+      return T.s;
+    case kAggSeqMeanTokenMean:
+      return T.n_rows != 0.0 ? T.row_mean / T.n_rows : 0.0;
+    default:
+      return T.n_rows != 0.0 ? T.s / T.n_rows : 0.0;  // kAggSeqMeanTokenSum (ids checked on the host)
   }
 }
 
 // ∂loss/∂S_b: the backward multiplies each token's w·∂loss_t/∂log_prob_t by it.
 BANDPO_HD double row_scale(int agg, const LossTotals& T, double w_b) {
   switch (agg) {
-    case kAggTokenMean: return T.w != 0.0 ? 1.0 / T.w : 0.0;
-    case kAggTokenSum: return 1.0;
-    case kAggSeqMeanTokenMean: return (w_b != 0.0 && T.n_rows != 0.0) ? 1.0 / (w_b * T.n_rows) : 0.0;
-    default: return T.n_rows != 0.0 ? 1.0 / T.n_rows : 0.0;
+    case kAggTokenMean:
+      return T.w != 0.0 ? 1.0 / T.w : 0.0;
+    case kAggTokenSum:
+      return 1.0;
+    case kAggSeqMeanTokenMean:
+      return (w_b != 0.0 && T.n_rows != 0.0) ? 1.0 / (w_b * T.n_rows) : 0.0;
+    default:
+      return T.n_rows != 0.0 ? 1.0 / T.n_rows : 0.0;
   }
 }
 
@@ -240,7 +269,7 @@ BANDPO_HD double row_scale(int agg, const LossTotals& T, double w_b) {
 // in out_t's arithmetic (what dividing the 0-dim count tensors gives).
 template <typename out_t>
 BANDPO_HD void write_metrics(const LossTotals& T, out_t* metrics) {
-  using op_t = decltype(out_t(0) + 0.0f);   // float for half types
+  using op_t = decltype(out_t(0) + 0.0f);  // float for half types
   for (int k = 0; k < kNumCounts; ++k) metrics[k] = static_cast<out_t>(T.counts[k]);
   for (int f = 0; f < kNumFractions; ++f) {
     const FractionDef d = fraction_def(f);

@@ -24,8 +24,8 @@ inline LossTensors check_loss_inputs(const char* op, const at::Tensor& lp, const
   TORCH_CHECK(lp.dim() == 2, op, ": log_prob must have shape (batch, T), got ", lp.sizes());
   TORCH_CHECK(is_supported_float(lp.scalar_type()), op, ": log_prob must be floating, got ", lp.scalar_type());
   for (const auto* t : {&olp, &adv}) {
-    TORCH_CHECK(t->sizes() == lp.sizes() && t->scalar_type() == lp.scalar_type() && t->device() == lp.device(),
-                op, ": old_log_prob and advantages must match log_prob's shape, dtype and device");
+    TORCH_CHECK(t->sizes() == lp.sizes() && t->scalar_type() == lp.scalar_type() && t->device() == lp.device(), op,
+                ": old_log_prob and advantages must match log_prob's shape, dtype and device");
   }
   LossTensors T{lp.contiguous(), olp.contiguous(), adv.contiguous(), at::Tensor(), at::Tensor()};
   if (mask.has_value()) {
@@ -41,7 +41,7 @@ inline LossTensors check_loss_inputs(const char* op, const at::Tensor& lp, const
   } else if (delta.has_value()) {
     TORCH_CHECK(delta->scalar_type() == lp.scalar_type() && delta->device() == lp.device(), op,
                 ": a delta tensor must have log_prob's dtype and device");
-    const auto shape = at::infer_size(delta->sizes(), lp.sizes());   // throws for non-broadcastable shapes
+    const auto shape = at::infer_size(delta->sizes(), lp.sizes());  // throws for non-broadcastable shapes
     TORCH_CHECK(c10::IntArrayRef(shape) == lp.sizes(), op, ": delta of shape ", delta->sizes(),
                 " does not broadcast to log_prob's shape ", lp.sizes());
     T.delta = delta->expand(lp.sizes()).contiguous();
@@ -56,8 +56,7 @@ inline LossParams make_loss_params(const at::Tensor& table, c10::ArrayRef<double
   TORCH_CHECK(clip_kind == kClipBand || clip_kind == kClipFixed || clip_kind == kClipDcpo,
               "policy_loss: unknown clip kind ", clip_kind);
   TORCH_CHECK(mode == kModeClip || mode == kModeMask, "policy_loss: unknown mode ", mode);
-  TORCH_CHECK(agg == kAggTokenMean || agg == kAggTokenSum || agg == kAggSeqMeanTokenMean ||
-                  agg == kAggSeqMeanTokenSum,
+  TORCH_CHECK(agg == kAggTokenMean || agg == kAggTokenSum || agg == kAggSeqMeanTokenMean || agg == kAggSeqMeanTokenSum,
               "policy_loss: unknown aggregation ", agg);
   TORCH_CHECK(dual_clip == 0.0 || dual_clip > 1.0, "policy_loss: dual_clip must be > 1 (0 for none)");
   check_prob_and_delta("policy_loss", T.olp, T.delta.defined() ? c10::optional<at::Tensor>(T.delta) : c10::nullopt,
@@ -65,7 +64,7 @@ inline LossParams make_loss_params(const at::Tensor& table, c10::ArrayRef<double
   LossParams L{};
   const DeltaArg d = resolve_delta(T.host_delta, delta_scalar, grid);
   TORCH_CHECK(!d.all_nan, "policy_loss: delta is outside the table's range");
-  L.band = make_params(table, grid, divergence, /*log_input=*/true, d.scalar, max_ratio,   // holds the cap
+  L.band = make_params(table, grid, divergence, /*log_input=*/true, d.scalar, max_ratio,  // holds the cap
                        T.lp.scalar_type());
   L.clip_kind = static_cast<int>(clip_kind);
   L.eps_low = eps_low;

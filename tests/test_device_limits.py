@@ -7,11 +7,10 @@ import math
 
 import pytest
 import torch
+from conftest import ALL_DEVICES, rel_error_lower, rel_error_upper
 
 import bandpo_lut
 from bandpo_lut import _ops  # noqa: F401  (loads the ops for the direct calls below)
-
-from conftest import ALL_DEVICES, rel_error_lower, rel_error_upper
 
 _KEEP = []   # tables made here stay alive: the cell caches are keyed by the table's address
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import math
 import os
 import re
 import sys
@@ -37,8 +36,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import bandpo_lut  # noqa: E402
-from bandpo_lut.integrations.trl import (  # noqa: E402
-    TESTED_TRL, BandGRPOConfig, BandGRPOTrainer)
+from bandpo_lut.integrations.trl import TESTED_TRL, BandGRPOConfig, BandGRPOTrainer  # noqa: E402
 from bandpo_lut.reference import policy_loss as reference  # noqa: E402
 from bandpo_lut.reference.bounds import bounds as reference_bounds  # noqa: E402
 

@@ -30,10 +30,9 @@ from verl.utils.metric import Metric  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 import bandpo_lut  # noqa: E402
+import bandpo_lut.integrations.verl as bverl  # noqa: E402  (registers "bandpo")
 from bandpo_lut.reference import policy_loss as reference  # noqa: E402
 from bandpo_lut.reference.bounds import bounds as reference_bounds  # noqa: E402
-
-import bandpo_lut.integrations.verl as bverl  # noqa: E402  (registers "bandpo")
 
 PACKAGE_ROOT = str(Path(bandpo_lut.__file__).resolve().parents[1])
 VERL_CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
@@ -333,7 +332,7 @@ print("OK")
 
 
 def test_band_keys_without_target_in_a_driver_with_external_modules():
-    code = f"""
+    code = """
 import os
 from hydra import compose, initialize_config_dir
 import verl

@@ -6,11 +6,10 @@ import itertools
 
 import pytest
 import torch
+from conftest import ALL_DEVICES
 
 import bandpo_lut
 from bandpo_lut.reference import policy_loss as spec
-
-from conftest import ALL_DEVICES
 
 SETTINGS = list(itertools.product(spec.CLIPS, spec.MODES, spec.AGGS, (None, 3.0)))
 

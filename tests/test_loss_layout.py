@@ -7,11 +7,10 @@ import itertools
 
 import pytest
 import torch
+from conftest import ALL_DEVICES
 
 import bandpo_lut
 from bandpo_lut import tables
-
-from conftest import ALL_DEVICES
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 B, T = 5, 67
@@ -65,7 +64,8 @@ def test_every_layout_gives_the_contiguous_bits(device, divergence, dtype, delta
     lp, olp, adv_row, mask, delta_row = inputs(dtype, device)
     compute = torch.promote_types(dtype, torch.float32)
     delta_full = (delta_row.expand(B, T) + torch.linspace(0, 0.05, T, device=device, dtype=torch.float64)).to(compute)
-    delta = {"scalar": 0.07, "per-token": delta_full, "per-row expanded": delta_row.to(compute).expand(B, T)}[delta_mode]
+    delta = {"scalar": 0.07, "per-token": delta_full,
+             "per-row expanded": delta_row.to(compute).expand(B, T)}[delta_mode]
     adv = adv_row.expand(B, T)                                          # expanded: stride 0 along T
     ref = run(lp, olp, adv.contiguous(), mask, delta.contiguous() if torch.is_tensor(delta) else delta, divergence)
     for (name, f_lp), (_, f_olp), (_, f_mask) in itertools.product(LAYOUTS.items(), repeat=3):

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import math
 
-import mpmath
 import numpy as np
 import pytest
 import torch
+from conftest import ALL_DEVICES, rel_error_lower, rel_error_upper
 
 import bandpo_lut
 from bandpo_lut import accuracy, exact
 from bandpo_lut.reference.bounds import bounds as ref_bounds
-
-from conftest import ALL_DEVICES, rel_error_lower, rel_error_upper
 
 SHIPPED = ("kl", "tv", "chi2")
 

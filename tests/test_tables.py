@@ -2,21 +2,19 @@
 and monotonicity through the pure-PyTorch reader, against mpmath."""
 from __future__ import annotations
 
-import hashlib
 import math
 import struct
 
 import numpy as np
 import pytest
 import torch
+from conftest import rel_error_lower, rel_error_upper
 
 from bandpo_lut import accuracy, table_format, tables
 from bandpo_lut.cli import main
 from bandpo_lut.generate import generate
 from bandpo_lut.reference.bounds import bounds as ref_bounds
 from bandpo_lut.verify import monotonicity_violations
-
-from conftest import rel_error_lower, rel_error_upper
 
 # A small but valid table (the tail rules need |logit p| >= ~10 for δ >= 0.05).
 SMALL = dict(t_max=10.0, t_density=4, delta_min=0.05, delta_max=0.5, s_nodes=6, ghost=6, dps=30,
@@ -128,6 +126,7 @@ def test_reference_log_p_old_keeps_accuracy_near_one():
     lo, up = ref_bounds(log_p_old=lp, delta=0.05, divergence="kl")
     for i, v in enumerate(lp.tolist()):
         import mpmath
+
         from bandpo_lut import exact
         rlo, rup = exact.bounds_from_logp(v, 0.05, "kl") if v > -math.inf else (0, mpmath.inf)
         assert float(lo[i]) == pytest.approx(float(rlo), rel=2e-7, abs=0)

@@ -293,7 +293,8 @@ def check_loss(g, quick: bool) -> None:
 
     def run(device, dtype, m, **kw):
         a = new.to(device=device, dtype=dtype).detach().clone().requires_grad_()
-        loss, metrics = bandpo_lut.policy_loss(a, old.to(device=device, dtype=dtype), adv.to(device=device, dtype=dtype),
+        loss, metrics = bandpo_lut.policy_loss(a, old.to(device=device, dtype=dtype),
+                                               adv.to(device=device, dtype=dtype),
                                                None if m is None else m.to(device), **kw)
         loss.backward()
         return loss, metrics, a.grad

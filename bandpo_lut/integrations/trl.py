@@ -236,7 +236,7 @@ class _BandEdge:
 
 
 def _counts_and_fractions():
-    from bandpo_lut.reference.policy_loss import COUNTS, FRACTIONS, metrics_from_counts
+    from bandpo_lut.loss_spec import COUNTS, FRACTIONS, metrics_from_counts
 
     return COUNTS, FRACTIONS, metrics_from_counts
 

@@ -20,7 +20,8 @@ Written out, ties resolved in favour of the unclipped branch (it is the one that
     else:                                    loss = -A*r    (gradient -A*r w.r.t. log_prob)
 
 (A token with A < 0 cannot be both: lo <= 1 < c.)  The gradient of the log-ratio clamp is
-1 on |log_prob - old_log_prob| <= 20 and zero outside (torch.clamp's up to torch 2.13).  Gradient flows to `log_prob` only.
+1 on |log_prob - old_log_prob| <= 20 and zero outside (torch.clamp's up to torch 2.13).
+Gradient flows to `log_prob` only.
 
 `clip` chooses [lo, up]:
     "band"  BandPO: `bandpo_lut.reference.bounds(log_p_old=old_log_prob, delta=delta,
@@ -96,8 +97,18 @@ import math
 
 import torch
 
-from bandpo_lut.loss_spec import (AGGS, BUCKETS, CLIPS, COUNTS, DEFAULT_EPS, FRACTIONS,  # noqa: F401
-                                   LOG_RATIO_CLAMP, LOWPROB, MODES, metrics_from_counts)
+from bandpo_lut.loss_spec import (  # noqa: F401
+    AGGS,
+    BUCKETS,
+    CLIPS,
+    COUNTS,
+    DEFAULT_EPS,
+    FRACTIONS,
+    LOG_RATIO_CLAMP,
+    LOWPROB,
+    MODES,
+    metrics_from_counts,
+)
 from bandpo_lut.loss_spec import check_args as _check_args
 from bandpo_lut.loss_spec import safe_div as _safe_div
 

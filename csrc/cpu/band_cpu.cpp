@@ -22,7 +22,6 @@
 #include "cpu/band_cpu.h"
 #include "cpu/table_gather.h"
 
-
 namespace bandpo {
 
 // ---- scalar-δ cell cubics, computed once per (table, δ) and cached -------------------------------------
@@ -71,10 +70,9 @@ BANDPO_INLINE void store(const FastRun& a, int64_t i, float l, float u, float ca
 // Pass 3 of a per-token-δ block; TAILS: whether the block has elements beyond the grid in t. dd: the block's
 // δ moved onto the table's range, ok: whether the δ given was in range.
 template <bool CLIP, bool TAILS>
-BANDPO_INLINE void kl_finish_token_block(const FastRun& a, int64_t start, int m,
-                                                                const float* p, const float* one_minus_p, const float* t,
-                                                                const float* q, const float* kap, const float* dd,
-                                                                const int* ok, float cap) {
+BANDPO_INLINE void kl_finish_token_block(const FastRun& a, int64_t start, int m, const float* p,
+                                         const float* one_minus_p, const float* t, const float* q, const float* kap,
+                                         const float* dd, const int* ok, float cap) {
   const TableView tb = a.P->table;
   const float nan = bits_to_float(0x7fc00000);
   for (int i = 0; i < m; ++i) {
@@ -158,11 +156,19 @@ BANDPO_INLINE void closed_f32_run(const FastRun& a) {
 
 template <bool LOG, bool CLIP, bool TOKEN>
 BANDPO_INLINE void f32_run_div(const FastRun& a) {
-  switch (static_cast<Divergence>(a.P->divergence)) {   // exhaustive (-Werror=switch); ids checked on the host
-    case kKL: kl_f32_run<LOG, CLIP, TOKEN>(a); break;
-    case kTV: closed_f32_run<kTV, LOG, CLIP, TOKEN>(a); break;
-    case kChi2: closed_f32_run<kChi2, LOG, CLIP, TOKEN>(a); break;
-    case kHellinger: closed_f32_run<kHellinger, LOG, CLIP, TOKEN>(a); break;
+  switch (static_cast<Divergence>(a.P->divergence)) {  // exhaustive (-Werror=switch); ids checked on the host
+    case kKL:
+      kl_f32_run<LOG, CLIP, TOKEN>(a);
+      break;
+    case kTV:
+      closed_f32_run<kTV, LOG, CLIP, TOKEN>(a);
+      break;
+    case kChi2:
+      closed_f32_run<kChi2, LOG, CLIP, TOKEN>(a);
+      break;
+    case kHellinger:
+      closed_f32_run<kHellinger, LOG, CLIP, TOKEN>(a);
+      break;
   }
 }
 
@@ -172,14 +178,30 @@ BANDPO_INLINE void f32_run_div(const FastRun& a) {
 BANDPO_CPU_CLONES void f32_contiguous(const FastRun& a, bool log_input, bool clip, bool token) {
   const int combo = (log_input ? 4 : 0) | (clip ? 2 : 0) | (token ? 1 : 0);
   switch (combo) {
-    case 0: f32_run_div<false, false, false>(a); break;
-    case 1: f32_run_div<false, false, true>(a); break;
-    case 2: f32_run_div<false, true, false>(a); break;
-    case 3: f32_run_div<false, true, true>(a); break;
-    case 4: f32_run_div<true, false, false>(a); break;
-    case 5: f32_run_div<true, false, true>(a); break;
-    case 6: f32_run_div<true, true, false>(a); break;
-    default: f32_run_div<true, true, true>(a); break;
+    case 0:
+      f32_run_div<false, false, false>(a);
+      break;
+    case 1:
+      f32_run_div<false, false, true>(a);
+      break;
+    case 2:
+      f32_run_div<false, true, false>(a);
+      break;
+    case 3:
+      f32_run_div<false, true, true>(a);
+      break;
+    case 4:
+      f32_run_div<true, false, false>(a);
+      break;
+    case 5:
+      f32_run_div<true, false, true>(a);
+      break;
+    case 6:
+      f32_run_div<true, true, false>(a);
+      break;
+    default:
+      f32_run_div<true, true, true>(a);
+      break;
   }
 }
 
@@ -203,10 +225,10 @@ BANDPO_INLINE void store_from_float(char* base, int64_t stride, int64_t i, float
 }
 
 template <typename scalar_t, bool CLIP>
-void run_f32_blocks(char** data, const int64_t* strides, int64_t n, const BandParams& P,
-                    const DeltaConsts<float>& c, bool per_token) {
-  const int in0 = CLIP ? 1 : 2;            // first input operand
-  const int ip = CLIP ? in0 + 1 : in0;     // the probability
+void run_f32_blocks(char** data, const int64_t* strides, int64_t n, const BandParams& P, const DeltaConsts<float>& c,
+                    bool per_token) {
+  const int in0 = CLIP ? 1 : 2;         // first input operand
+  const int ip = CLIP ? in0 + 1 : in0;  // the probability
   alignas(64) float x[kBlock], d[kBlock], r[kBlock], o0[kBlock], o1[kBlock];
   for (int64_t start = 0; start < n; start += kBlock) {
     const int m = static_cast<int>(n - start < kBlock ? n - start : kBlock);
@@ -217,8 +239,15 @@ void run_f32_blocks(char** data, const int64_t* strides, int64_t n, const BandPa
     if (CLIP) {
       for (int i = 0; i < m; ++i) r[i] = load_as_float<scalar_t>(data[in0], strides[in0], start + i);
     }
-    const FastRun a{&P, &c, x, per_token ? d : nullptr, CLIP ? r : nullptr, CLIP ? nullptr : o0,
-                    CLIP ? nullptr : o1, CLIP ? o0 : nullptr, m};
+    const FastRun a{&P,
+                    &c,
+                    x,
+                    per_token ? d : nullptr,
+                    CLIP ? r : nullptr,
+                    CLIP ? nullptr : o0,
+                    CLIP ? nullptr : o1,
+                    CLIP ? o0 : nullptr,
+                    m};
     f32_contiguous(a, P.log_input, CLIP, per_token);
     for (int i = 0; i < m; ++i) store_from_float<scalar_t>(data[0], strides[0], start + i, o0[i]);
     if (!CLIP) {
@@ -239,12 +268,15 @@ void run_band(at::TensorIterator& iter, const BandParams& P, bool per_token) {
       bool contiguous = std::is_same<scalar_t, float>::value;
       for (int k = 0; k < iter.ntensors(); ++k) contiguous = contiguous && strides[k] == sizeof(scalar_t);
       if (contiguous) {
-        const FastRun a{&P, &c, reinterpret_cast<const float*>(data[ip]),
+        const FastRun a{&P,
+                        &c,
+                        reinterpret_cast<const float*>(data[ip]),
                         per_token ? reinterpret_cast<const float*>(data[ip + 1]) : nullptr,
                         CLIP ? reinterpret_cast<const float*>(data[in0]) : nullptr,
                         CLIP ? nullptr : reinterpret_cast<float*>(data[0]),
                         CLIP ? nullptr : reinterpret_cast<float*>(data[1]),
-                        CLIP ? reinterpret_cast<float*>(data[0]) : nullptr, n};
+                        CLIP ? reinterpret_cast<float*>(data[0]) : nullptr,
+                        n};
         f32_contiguous(a, P.log_input, CLIP, per_token);
       } else {
         run_f32_blocks<scalar_t, CLIP>(data, strides, n, P, c, per_token);
@@ -254,8 +286,8 @@ void run_band(at::TensorIterator& iter, const BandParams& P, bool per_token) {
     for (int64_t i = 0; i < n; ++i) {
       const acc_t x = static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(data[ip] + i * strides[ip]));
       const acc_t d = per_token
-          ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(data[ip + 1] + i * strides[ip + 1]))
-          : c.delta;
+                          ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(data[ip + 1] + i * strides[ip + 1]))
+                          : c.delta;
       acc_t l, u;
       if (per_token) {
         band_element<acc_t, true>(P, c, x, d, l, u);
@@ -274,8 +306,8 @@ void run_band(at::TensorIterator& iter, const BandParams& P, bool per_token) {
   });
 }
 
-BandParams params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
-                             bool log_input, const DeltaArg& delta, double max_ratio, at::ScalarType dtype,
+BandParams params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence, bool log_input,
+                             const DeltaArg& delta, double max_ratio, at::ScalarType dtype,
                              std::shared_ptr<const CellPolys>& keep) {
   BandParams P = make_params(table, grid, divergence, log_input, delta.scalar, max_ratio, dtype);
   if (divergence == kKL && !delta.per_token_mode()) {
@@ -287,9 +319,8 @@ BandParams params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid
 }
 
 std::tuple<at::Tensor, at::Tensor> bounds_cpu(const at::Tensor& prob, const c10::optional<at::Tensor>& delta,
-                                              double delta_scalar, const at::Tensor& table,
-                                              c10::ArrayRef<double> grid, int64_t divergence, bool log_input,
-                                              double max_ratio) {
+                                              double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid,
+                                              int64_t divergence, bool log_input, double max_ratio) {
   BandIter it = make_band_iter("bounds", nullptr, prob, delta, table, grid, divergence, max_ratio);
   const DeltaArg d = resolve_delta(delta, delta_scalar, grid);
   std::shared_ptr<const CellPolys> keep;
@@ -299,9 +330,8 @@ std::tuple<at::Tensor, at::Tensor> bounds_cpu(const at::Tensor& prob, const c10:
     it.up.fill_(std::numeric_limits<double>::quiet_NaN());
     return {it.lo, it.up};
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::bounds", [&] {
-    run_band<scalar_t, false>(it.iter, P, d.per_token_mode());
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::bounds",
+                                  [&] { run_band<scalar_t, false>(it.iter, P, d.per_token_mode()); });
   return {it.lo, it.up};
 }
 
@@ -317,9 +347,8 @@ at::Tensor clip_cpu(const at::Tensor& ratio, const at::Tensor& prob, const c10::
     it.out.fill_(std::numeric_limits<double>::quiet_NaN());
     return it.out;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::clip", [&] {
-    run_band<scalar_t, true>(it.iter, P, d.per_token_mode());
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::clip",
+                                  [&] { run_band<scalar_t, true>(it.iter, P, d.per_token_mode()); });
   return it.out;
 }
 

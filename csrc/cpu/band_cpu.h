@@ -31,12 +31,12 @@ std::shared_ptr<const CellPolys> cell_polys(const BandParams& P);
 struct FastRun {
   const BandParams* P;
   const DeltaConsts<float>* c;
-  const float* x;       // p or log p
-  const float* delta;   // per-token δ, or null
-  const float* ratio;   // clip only
-  float* lo;            // bounds only
+  const float* x;      // p or log p
+  const float* delta;  // per-token δ, or null
+  const float* ratio;  // clip only
+  float* lo;           // bounds only
   float* up;
-  float* out;           // clip only
+  float* out;  // clip only
   int64_t n;
 };
 

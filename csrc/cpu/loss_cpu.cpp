@@ -22,7 +22,7 @@
 namespace bandpo {
 namespace {
 
-constexpr int64_t kRowsPerChunk = 8;   // the fixed partition of rows whose partial counts are summed in order
+constexpr int64_t kRowsPerChunk = 8;  // the fixed partition of rows whose partial counts are summed in order
 
 template <typename scalar_t>
 struct RowInputs {
@@ -41,8 +41,8 @@ inline acc_t weight(const LossParams& L, const RowInputs<scalar_t>& in, int64_t 
 
 // Bounds of tokens [i0, i0 + m) of a row into lo/up (the generic loops; float32 rows take row_f32).
 template <typename scalar_t, typename acc_t>
-void block_bounds(const LossParams& L, const DeltaConsts<acc_t>& c, const RowInputs<scalar_t>& in, int64_t i0,
-                  int m, acc_t* lo, acc_t* up) {
+void block_bounds(const LossParams& L, const DeltaConsts<acc_t>& c, const RowInputs<scalar_t>& in, int64_t i0, int m,
+                  acc_t* lo, acc_t* up) {
   for (int i = 0; i < m; ++i) {
     const acc_t olp = static_cast<acc_t>(in.olp[i0 + i]);
     const acc_t d = in.delta ? static_cast<acc_t>(in.delta[i0 + i]) : c.delta;
@@ -56,7 +56,7 @@ void block_bounds(const LossParams& L, const DeltaConsts<acc_t>& c, const RowInp
 }
 
 // ---- float32 rows: branch-free blocked passes that vectorise --------------------------------------------
-constexpr int kSums = kNumCounts + 2;   // the 20 counts, then Σ w·loss and Σ w
+constexpr int kSums = kNumCounts + 2;  // the 20 counts, then Σ w·loss and Σ w
 
 // Bounds of a block for the baselines (band bounds come from the vectorised band loop); clip_bounds caps.
 BANDPO_INLINE void baseline_bounds_f32(const LossParams& L, const float* __restrict olp, int m, float* __restrict lo,
@@ -72,8 +72,7 @@ BANDPO_INLINE void baseline_bounds_f32(const LossParams& L, const float* __restr
 // contribution to the kSums accumulators into sums[k][i] (ignored tokens: exactly 0, whatever their inputs).
 template <int MASK, bool SUMS>
 BANDPO_INLINE void token_block_f32(const LossParams& L, const float* __restrict lp, const float* __restrict olp,
-                                   const float* __restrict adv, const void* __restrict mask,
-                                   const float* __restrict lo,
+                                   const float* __restrict adv, const void* __restrict mask, const float* __restrict lo,
                                    const float* __restrict up, int m, float* __restrict grad,
                                    float (*__restrict sums)[kBlock]) {
 #pragma omp simd
@@ -86,7 +85,7 @@ BANDPO_INLINE void token_block_f32(const LossParams& L, const float* __restrict 
     token_terms<float>(L, lp[i], olp[i], adv[i], w, p, lo[i], up[i], o);
     grad[i] = skip ? 0.0f : o.grad;
     if (SUMS) {
-      count_terms<float>(o, w, &sums[0][i], kBlock);   // w == 0 gives 0 in every count
+      count_terms<float>(o, w, &sums[0][i], kBlock);  // w == 0 gives 0 in every count
       sums[kNumCounts][i] = skip ? 0.0f : o.value;
       sums[kNumCounts + 1][i] = w;
     }
@@ -110,8 +109,8 @@ BANDPO_INLINE void reduce_block(const float (*__restrict sums)[kBlock], double* 
 }
 
 template <int MASK, bool FWD>
-BANDPO_INLINE void row_f32_impl(const LossParams& L, const RowInputs<float>& in, int64_t n, double* totals,
-                                float g, float* grad_row) {
+BANDPO_INLINE void row_f32_impl(const LossParams& L, const RowInputs<float>& in, int64_t n, double* totals, float g,
+                                float* grad_row) {
   alignas(64) float lo[kBlock], up[kBlock], grad[kBlock];
   alignas(64) float sums[FWD ? kSums : 1][kBlock];
   const DeltaConsts<float> c = delta_consts<float>(static_cast<float>(L.band.delta));
@@ -123,7 +122,7 @@ BANDPO_INLINE void row_f32_impl(const LossParams& L, const RowInputs<float>& in,
     } else {
       baseline_bounds_f32(L, in.olp + i0, m, lo, up);
     }
-    const void* mask = MASK == kMaskBytes ? static_cast<const void*>(static_cast<const uint8_t*>(in.mask) + i0)
+    const void* mask = MASK == kMaskBytes   ? static_cast<const void*>(static_cast<const uint8_t*>(in.mask) + i0)
                        : MASK == kMaskFloat ? static_cast<const void*>(static_cast<const float*>(in.mask) + i0)
                                             : nullptr;
     token_block_f32<MASK, FWD>(L, in.lp + i0, in.olp + i0, in.adv + i0, mask, lo, up, m, grad, sums);
@@ -140,13 +139,19 @@ BANDPO_CPU_CLONES void row_f32(const LossParams& L, const RowInputs<float>& in, 
                                float* grad_row, bool forward) {
   const int mk = L.mask_kind;
   if (forward) {
-    if (mk == kMaskBytes) row_f32_impl<kMaskBytes, true>(L, in, n, totals, g, grad_row);
-    else if (mk == kMaskFloat) row_f32_impl<kMaskFloat, true>(L, in, n, totals, g, grad_row);
-    else row_f32_impl<kMaskNone, true>(L, in, n, totals, g, grad_row);
+    if (mk == kMaskBytes)
+      row_f32_impl<kMaskBytes, true>(L, in, n, totals, g, grad_row);
+    else if (mk == kMaskFloat)
+      row_f32_impl<kMaskFloat, true>(L, in, n, totals, g, grad_row);
+    else
+      row_f32_impl<kMaskNone, true>(L, in, n, totals, g, grad_row);
   } else {
-    if (mk == kMaskBytes) row_f32_impl<kMaskBytes, false>(L, in, n, totals, g, grad_row);
-    else if (mk == kMaskFloat) row_f32_impl<kMaskFloat, false>(L, in, n, totals, g, grad_row);
-    else row_f32_impl<kMaskNone, false>(L, in, n, totals, g, grad_row);
+    if (mk == kMaskBytes)
+      row_f32_impl<kMaskBytes, false>(L, in, n, totals, g, grad_row);
+    else if (mk == kMaskFloat)
+      row_f32_impl<kMaskFloat, false>(L, in, n, totals, g, grad_row);
+    else
+      row_f32_impl<kMaskNone, false>(L, in, n, totals, g, grad_row);
   }
 }
 
@@ -201,7 +206,7 @@ void row_sums_generic(const LossParams& L, const DeltaConsts<acc_t>& c, const Ro
     block_bounds<scalar_t, acc_t>(L, c, in, i0, m, lo, up);
     for (int i = 0; i < m; ++i) {
       const acc_t w = weight<scalar_t, acc_t>(L, in, i0 + i);
-      if (w == acc_t(0)) continue;   // ignored tokens contribute nothing, whatever their inputs
+      if (w == acc_t(0)) continue;  // ignored tokens contribute nothing, whatever their inputs
       const acc_t olp_i = static_cast<acc_t>(in.olp[i0 + i]);
       TokenTerms<acc_t> o;
       token_terms<acc_t>(L, static_cast<acc_t>(in.lp[i0 + i]), olp_i, static_cast<acc_t>(in.adv[i0 + i]), w,
@@ -263,14 +268,14 @@ at::Tensor loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& row_scale
                         double eps_high, double max_ratio, double dual_clip, int64_t mode) {
   const LossTensors T = check_loss_inputs("policy_loss_bwd", lp, olp, adv, mask, delta);
   check_grad_inputs("policy_loss_bwd", grad_loss, row_scale, lp);
-  const double g = grad_loss.to(at::kDouble).item<double>();   // a CPU tensor: no synchronisation
+  const double g = grad_loss.to(at::kDouble).item<double>();  // a CPU tensor: no synchronisation
   const at::Tensor scale = row_scale.contiguous();
   std::shared_ptr<const CellPolys> keep;
   // The aggregation is folded into row_scale: the backward's LossParams never read `agg`.
   const LossParams L = loss_params_with_cells(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio,
                                               dual_clip, mode, kAggTokenSum, delta_scalar, T, keep);
   const int64_t B = lp.size(0), n = lp.size(1);
-  at::Tensor grad = at::empty(lp.sizes(), lp.options());   // dense row-major: the layout the loops write
+  at::Tensor grad = at::empty(lp.sizes(), lp.options());  // dense row-major: the layout the loops write
   const double* S = scale.data_ptr<double>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lp.scalar_type(), "bandpo_lut::policy_loss_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -292,8 +297,8 @@ at::Tensor loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& row_scale
             if (w != acc_t(0)) {
               const acc_t olp_i = static_cast<acc_t>(in.olp[i0 + i]);
               TokenTerms<acc_t> o;
-              token_terms<acc_t>(L, static_cast<acc_t>(in.lp[i0 + i]), olp_i, static_cast<acc_t>(in.adv[i0 + i]),
-                                 w, exp_any(olp_i), lo[i], up[i], o);
+              token_terms<acc_t>(L, static_cast<acc_t>(in.lp[i0 + i]), olp_i, static_cast<acc_t>(in.adv[i0 + i]), w,
+                                 exp_any(olp_i), lo[i], up[i], o);
               gi = gb * o.grad;
             }
             o_row[i0 + i] = static_cast<scalar_t>(gi);

@@ -38,9 +38,8 @@ inline void patches_scalar(const TableView& tb, const int* __restrict it, const 
 
 #if defined(BANDPO_HAVE_X86_GATHER)
 __attribute__((target("avx2,fma"))) inline void cell_cubics_avx2(const float* __restrict cells,
-                                                                 const int* __restrict it,
-                                                                 const float* __restrict ut, float* __restrict q,
-                                                                 float* __restrict kap, int m) {
+                                                                 const int* __restrict it, const float* __restrict ut,
+                                                                 float* __restrict q, float* __restrict kap, int m) {
   int i = 0;
   for (; i + 8 <= m; i += 8) {
     __m256 r0 = _mm256_loadu_ps(cells + 8 * it[i + 0]), r1 = _mm256_loadu_ps(cells + 8 * it[i + 1]);
@@ -88,8 +87,8 @@ __attribute__((target("avx2,fma"))) inline void patches_avx2(const TableView& tb
     }
     aq = _mm_mul_ps(aq, wsv);
     ak = _mm_mul_ps(ak, wsv);
-    const __m128 h = _mm_hadd_ps(aq, ak);          // [q01, q23, k01, k23]
-    const __m128 h2 = _mm_hadd_ps(h, h);           // [q, k, q, k]
+    const __m128 h = _mm_hadd_ps(aq, ak);  // [q01, q23, k01, k23]
+    const __m128 h2 = _mm_hadd_ps(h, h);   // [q, k, q, k]
     q[i] = _mm_cvtss_f32(h2);
     kap[i] = _mm_cvtss_f32(_mm_shuffle_ps(h2, h2, 0x55));
   }

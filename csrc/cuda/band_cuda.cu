@@ -35,7 +35,7 @@ namespace bandpo {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxOperands = 4;   // outputs first (lo, up | out), then [ratio,] prob[, delta]
+constexpr int kMaxOperands = 4;  // outputs first (lo, up | out), then [ratio,] prob[, delta]
 using Offsets = OffsetCalculator<kMaxOperands>;
 
 // Elements per thread and step on the dense path: 16 bytes of float32 or float64, 8 of a half type.
@@ -58,15 +58,15 @@ struct Pointers {
 template <bool CLIP>
 struct Slots {
   static constexpr int n_out = CLIP ? 1 : 2;
-  static constexpr int ratio = 1;               // clip only
-  static constexpr int prob = CLIP ? 2 : 2;     // bounds: lo, up, prob; clip: out, ratio, prob
+  static constexpr int ratio = 1;            // clip only
+  static constexpr int prob = CLIP ? 2 : 2;  // bounds: lo, up, prob; clip: out, ratio, prob
   static constexpr int delta = 3;
 };
 
 // One element: the bounds (CLIP false: out0 = lo, out1 = up) or the clipped ratio (out0), in acc_t.
 template <typename acc_t, bool CLIP, bool TOKEN>
-__device__ __forceinline__ void band_value(const BandParams& P, const DeltaConsts<acc_t>& c, acc_t x, acc_t d,
-                                           acc_t r, acc_t& out0, acc_t& out1) {
+__device__ __forceinline__ void band_value(const BandParams& P, const DeltaConsts<acc_t>& c, acc_t x, acc_t d, acc_t r,
+                                           acc_t& out0, acc_t& out1) {
   acc_t l, u;
   band_element<acc_t, TOKEN>(P, c, x, d, l, u);
   if (CLIP) {
@@ -78,8 +78,8 @@ __device__ __forceinline__ void band_value(const BandParams& P, const DeltaConst
 }
 
 template <typename scalar_t, bool CLIP, int CELLS>
-__global__ void __launch_bounds__(kThreads) band_dense_kernel(BandParams P, const void* cells_src, int n_cells,
-                                                               Pointers A, int64_t numel) {
+__global__ void __launch_bounds__(kThreads)
+    band_dense_kernel(BandParams P, const void* cells_src, int n_cells, Pointers A, int64_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool TOKEN = per_token_mode(CELLS);
   constexpr int V = vec_size<scalar_t>();
@@ -111,9 +111,10 @@ __global__ void __launch_bounds__(kThreads) band_dense_kernel(BandParams P, cons
       *reinterpret_cast<Vec<scalar_t, V>*>(out0 + i) = o0;
       if (!CLIP) *reinterpret_cast<Vec<scalar_t, V>*>(out1 + i) = o1;
     } else {
-      for (int64_t j = i; j < numel; ++j) {   // the tail: fewer than V elements
+      for (int64_t j = i; j < numel; ++j) {  // the tail: fewer than V elements
         acc_t a0, a1 = acc_t(0);
-        band_value<acc_t, CLIP, TOKEN>(P, c, static_cast<acc_t>(prob[j]), TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
+        band_value<acc_t, CLIP, TOKEN>(P, c, static_cast<acc_t>(prob[j]),
+                                       TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
                                        CLIP ? static_cast<acc_t>(ratio[j]) : acc_t(0), a0, a1);
         out0[j] = static_cast<scalar_t>(a0);
         if (!CLIP) out1[j] = static_cast<scalar_t>(a1);
@@ -123,8 +124,8 @@ __global__ void __launch_bounds__(kThreads) band_dense_kernel(BandParams P, cons
 }
 
 template <typename scalar_t, bool CLIP, int CELLS>
-__global__ void __launch_bounds__(kThreads) band_strided_kernel(BandParams P, const void* cells_src, int n_cells,
-                                                                 Pointers A, Offsets offsets, uint32_t numel) {
+__global__ void __launch_bounds__(kThreads)
+    band_strided_kernel(BandParams P, const void* cells_src, int n_cells, Pointers A, Offsets offsets, uint32_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool TOKEN = per_token_mode(CELLS);
   using S = Slots<CLIP>;
@@ -132,12 +133,12 @@ __global__ void __launch_bounds__(kThreads) band_strided_kernel(BandParams P, co
   set_cells<acc_t>(P, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
   const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(P.delta));
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += gridDim.x * blockDim.x) {
-    const auto off = offsets.get(i);   // byte offsets, one per operand
+    const auto off = offsets.get(i);  // byte offsets, one per operand
     const acc_t x = static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(A.data[S::prob] + off[S::prob]));
-    const acc_t d = TOKEN ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(A.data[S::delta] + off[S::delta]))
-                          : c.delta;
-    const acc_t r = CLIP ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(A.data[S::ratio] + off[S::ratio]))
-                         : acc_t(0);
+    const acc_t d =
+        TOKEN ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(A.data[S::delta] + off[S::delta])) : c.delta;
+    const acc_t r =
+        CLIP ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(A.data[S::ratio] + off[S::ratio])) : acc_t(0);
     acc_t a0, a1 = acc_t(0);
     band_value<acc_t, CLIP, TOKEN>(P, c, x, d, r, a0, a1);
     *reinterpret_cast<scalar_t*>(A.data[0] + off[0]) = static_cast<scalar_t>(a0);
@@ -170,8 +171,7 @@ bool dense_and_aligned(const at::TensorIteratorBase& iter, int vec_bytes) {
 // The cells a launch of `kernel_shared` needs: shared memory when they fit, else global; none for a per-token
 // δ; a null global source for closed forms.
 template <typename acc_t>
-CellsPlan plan_cells(const BandParams& P, bool per_token, const void* kernel_shared, int device,
-                     cudaStream_t stream) {
+CellsPlan plan_cells(const BandParams& P, bool per_token, const void* kernel_shared, int device, cudaStream_t stream) {
   CellsPlan plan{per_token ? kCellsNone : kCellsGlobal, nullptr, P.table.nt - 1, 0, at::Tensor()};
   if (per_token || P.divergence != kKL) return plan;
   plan.src = cached_cells(P, std::is_same<acc_t, double>::value, stream, plan.scratch);
@@ -187,15 +187,17 @@ void launch_mode(at::TensorIteratorBase& iter, const BandParams& P, const CellsP
   const size_t smem = CELLS == kCellsShared ? plan.smem : 0;
   if (dense_and_aligned(iter, V * sizeof(scalar_t))) {
     const auto kernel = band_dense_kernel<scalar_t, CLIP, CELLS>;
-    const int64_t needed = (iter.numel() + static_cast<int64_t>(kThreads) * V - 1) / (static_cast<int64_t>(kThreads) * V);
-    const int blocks = static_cast<int>(std::min<int64_t>(needed, resident_blocks((const void*)kernel, kThreads, smem, device)));
+    const int64_t needed =
+        (iter.numel() + static_cast<int64_t>(kThreads) * V - 1) / (static_cast<int64_t>(kThreads) * V);
+    const int blocks =
+        static_cast<int>(std::min<int64_t>(needed, resident_blocks((const void*)kernel, kThreads, smem, device)));
     kernel<<<blocks, kThreads, smem, stream>>>(P, plan.src, plan.n_cells, pointers_of(iter), iter.numel());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
   const auto kernel = band_strided_kernel<scalar_t, CLIP, CELLS>;
   const int resident = resident_blocks((const void*)kernel, kThreads, smem, device);
-  for (auto& sub : iter.with_32bit_indexing()) {   // one sub-iterator unless there are 2^31 or more elements
+  for (auto& sub : iter.with_32bit_indexing()) {  // one sub-iterator unless there are 2^31 or more elements
     const int64_t needed = (sub.numel() + kThreads - 1) / kThreads;
     const int blocks = static_cast<int>(std::min<int64_t>(needed, resident));
     kernel<<<blocks, kThreads, smem, stream>>>(P, plan.src, plan.n_cells, pointers_of(sub), offsets_of(sub),
@@ -211,8 +213,8 @@ void launch(at::TensorIteratorBase& iter, const BandParams& P, bool per_token, a
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "bandpo_lut_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     // Shared memory is planned for the dense kernel; the strided one has the same static use (none).
-    const CellsPlan plan = plan_cells<acc_t>(P, per_token, (const void*)band_dense_kernel<scalar_t, CLIP, kCellsShared>,
-                                             device, stream);
+    const CellsPlan plan =
+        plan_cells<acc_t>(P, per_token, (const void*)band_dense_kernel<scalar_t, CLIP, kCellsShared>, device, stream);
     if (plan.mode == kCellsShared) {
       (void)shared_cells_bytes((const void*)band_strided_kernel<scalar_t, CLIP, kCellsShared>, plan.smem, 0, device);
       launch_mode<scalar_t, CLIP, kCellsShared>(iter, P, plan, device, stream);
@@ -242,9 +244,8 @@ void materialise(Dense& keep, at::IntArrayRef shape, const at::Tensor* ratio, co
 }
 
 std::tuple<at::Tensor, at::Tensor> bounds_cuda(const at::Tensor& prob, const c10::optional<at::Tensor>& delta,
-                                               double delta_scalar, const at::Tensor& table,
-                                               c10::ArrayRef<double> grid, int64_t divergence, bool log_input,
-                                               double max_ratio) {
+                                               double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid,
+                                               int64_t divergence, bool log_input, double max_ratio) {
   const c10::cuda::CUDAGuard guard(prob.device());
   BandIter it = make_band_iter("bounds", nullptr, prob, delta, table, grid, divergence, max_ratio);
   const DeltaArg d = resolve_delta(delta, delta_scalar, grid);

@@ -35,11 +35,11 @@ void launch_collapse(const BandParams& P, bool as_double, void* out, cudaStream_
   const int threads = 128, blocks = (cells + threads - 1) / threads;
   const double* w = P.delta_ws;
   if (as_double) {
-    collapse_kernel<double><<<blocks, threads, 0, stream>>>(P.table, P.delta_js, w[0], w[1], w[2], w[3],
-                                                            static_cast<double*>(out));
+    collapse_kernel<double>
+        <<<blocks, threads, 0, stream>>>(P.table, P.delta_js, w[0], w[1], w[2], w[3], static_cast<double*>(out));
   } else {
-    collapse_kernel<float><<<blocks, threads, 0, stream>>>(P.table, P.delta_js, w[0], w[1], w[2], w[3],
-                                                           static_cast<float*>(out));
+    collapse_kernel<float>
+        <<<blocks, threads, 0, stream>>>(P.table, P.delta_js, w[0], w[1], w[2], w[3], static_cast<float*>(out));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -51,7 +51,7 @@ struct Entry {
   bool complete = false;  // the event is known to have completed: no wait needed anywhere
 };
 
-using Key = std::tuple<const float*, int, double, bool>;   // (table coefficients, device, δ, double cells)
+using Key = std::tuple<const float*, int, double, bool>;  // (table coefficients, device, δ, double cells)
 
 bool capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -76,11 +76,11 @@ const void* cached_cells(const BandParams& P, bool as_double, cudaStream_t strea
     Entry& e = it->second;
     if (e.complete) return e.cells.data_ptr();
     if (!in_capture) {
-      const cudaError_t q = cudaEventQuery(e.ready);   // non-blocking
+      const cudaError_t q = cudaEventQuery(e.ready);  // non-blocking
       if (q == cudaSuccess) {
         e.complete = true;
       } else if (q == cudaErrorNotReady) {
-        (void)cudaGetLastError();   // clear the not-ready status
+        (void)cudaGetLastError();  // clear the not-ready status
         if (e.stream != stream) C10_CUDA_CHECK(cudaStreamWaitEvent(stream, e.ready, 0));
       } else {
         C10_CUDA_CHECK(q);
@@ -107,13 +107,13 @@ const void* cached_cells(const BandParams& P, bool as_double, cudaStream_t strea
 }
 
 size_t shared_cells_bytes(const void* kernel, size_t cells_bytes, size_t static_bytes, int device) {
-  constexpr size_t kDefault = 48 * 1024;   // usable without opting in, on every architecture
+  constexpr size_t kDefault = 48 * 1024;  // usable without opting in, on every architecture
   if (cells_bytes + static_bytes <= kDefault) return cells_bytes;
   int optin = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   if (cells_bytes + static_bytes > static_cast<size_t>(optin)) return 0;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(cells_bytes)));
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cells_bytes)));
   return cells_bytes;
 }
 

@@ -14,16 +14,16 @@ namespace bandpo {
 
 // Where a kernel finds the scalar-δ KL cell cubics (a template argument of the element kernels).
 enum CellsMode : int {
-  kCellsNone = 0,     // a per-token δ: no cells (the full 2-D spline per element)
-  kCellsShared = 1,   // scalar δ, KL: staged in dynamic shared memory by the prologue (the fast path)
-  kCellsGlobal = 2,   // scalar δ: read from the cached device array through the read-only cache (KL tables
-                      // too large for shared memory), or none at all (closed-form divergences: null)
+  kCellsNone = 0,    // a per-token δ: no cells (the full 2-D spline per element)
+  kCellsShared = 1,  // scalar δ, KL: staged in dynamic shared memory by the prologue (the fast path)
+  kCellsGlobal = 2,  // scalar δ: read from the cached device array through the read-only cache (KL tables
+                     // too large for shared memory), or none at all (closed-form divergences: null)
 };
 
 // Whether a cells mode means a per-token δ (band_element's PER_TOKEN).
 constexpr bool per_token_mode(int mode) { return mode == kCellsNone; }
 
-constexpr int kCellValues = 8;   // per t cell: the q_up and κ cubics, a0..a3 each
+constexpr int kCellValues = 8;  // per t cell: the q_up and κ cubics, a0..a3 each
 
 // The cached device array of cell cubics for BandParams' table and scalar δ, in double (as_double) or float,
 // laid out [nt - 1][8]. Computed by one small kernel on `stream` the first time, without host
@@ -74,8 +74,8 @@ __device__ __forceinline__ void set_cells(BandParams& P, const acc_t* cells) {
 
 // The cells a launch needs (host): mode and source for a scalar-δ KL band, kCellsNone otherwise.
 struct CellsPlan {
-  int mode;            // CellsMode
-  const void* src;     // device array [n_cells][8] of acc_t, or null
+  int mode;         // CellsMode
+  const void* src;  // device array [n_cells][8] of acc_t, or null
   int n_cells;
   size_t smem;         // dynamic shared memory to request
   at::Tensor scratch;  // keeps a capture-time collapse alive until the launch is enqueued

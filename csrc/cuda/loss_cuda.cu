@@ -29,7 +29,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / kWarpSize;
-constexpr int kMaxK = 4;              // tokens per lane and tile, at most (loaded before any math)
+constexpr int kMaxK = 4;  // tokens per lane and tile, at most (loaded before any math)
 constexpr int kFinishThreads = 512;
 // Resident blocks of kThreads per SM that the element kernels are compiled for: 3 (at most 80 registers) for
 // float arithmetic, 2 (128) for double, whose band and tails need more, and for the forward with a weighted
@@ -40,9 +40,9 @@ constexpr int kMinBlocks = (sizeof(at::opmath_type<scalar_t>) == 8 || WEIGHTED) 
 // The warp tiles of a (batch, T) problem: tiles_per_row tiles of k·kWarpSize tokens per row (the last may
 // be partial).
 struct Tiles {
-  int64_t rows, n;           // batch, T
-  int64_t per_row;           // tiles per row
-  int k;                     // tokens per lane and tile (1..kMaxK)
+  int64_t rows, n;  // batch, T
+  int64_t per_row;  // tiles per row
+  int k;            // tokens per lane and tile (1..kMaxK)
   __host__ __device__ int64_t count() const { return rows * per_row; }
 };
 
@@ -61,8 +61,8 @@ struct LossPointers {
   const scalar_t* lp;
   const scalar_t* olp;
   const scalar_t* adv;
-  const scalar_t* delta;   // per-token δ or null
-  const void* mask;        // LossParams::mask_kind says how to read it
+  const scalar_t* delta;  // per-token δ or null
+  const void* mask;       // LossParams::mask_kind says how to read it
 };
 
 // One tile's inputs, loaded before any math (kMaxK tokens per lane in flight per operand).
@@ -97,7 +97,7 @@ __device__ __forceinline__ void token_at(const LossParams& L, const DeltaConsts<
 }
 
 template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {   // a fixed tree: the same order every run
+__device__ __forceinline__ T warp_sum(T v) {  // a fixed tree: the same order every run
 #pragma unroll
   for (int off = kWarpSize / 2; off > 0; off /= 2) v += __shfl_down_sync(0xffffffffu, v, off);
   return v;
@@ -126,7 +126,7 @@ struct CountAcc {
       } else if (k == kBandWidthSum) {
         width += static_cast<double>(c[k]);
       } else {
-        n[k] += static_cast<cnt_t>(c[k]);   // 0 or w (0 or 1 unless WEIGHTED)
+        n[k] += static_cast<cnt_t>(c[k]);  // 0 or w (0 or 1 unless WEIGHTED)
       }
     }
   }
@@ -137,9 +137,9 @@ struct CountAcc {
 
 // Pass 1. tile_sums: [per_row][rows] (Σ w·loss, Σ w) of each tile; block_counts: [gridDim.x][kNumCounts].
 template <typename scalar_t, int CELLS, bool WEIGHTED>
-__global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t, WEIGHTED>) loss_tokens_kernel(LossParams L, const void* cells_src, int n_cells,
-                                                                  LossPointers<scalar_t> in, Tiles t,
-                                                                  double2* tile_sums, double* block_counts) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t, WEIGHTED>)
+    loss_tokens_kernel(LossParams L, const void* cells_src, int n_cells, LossPointers<scalar_t> in, Tiles t,
+                       double2* tile_sums, double* block_counts) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool TOKEN = per_token_mode(CELLS);
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t, WEIGHTED>) loss
     double s = 0.0, w_sum = 0.0;
 #pragma unroll
     for (int k = 0; k < kMaxK; ++k) {
-      if (x.w[k] != acc_t(0)) {   // ignored tokens contribute nothing, whatever their inputs
+      if (x.w[k] != acc_t(0)) {  // ignored tokens contribute nothing, whatever their inputs
         TokenTerms<acc_t> o;
         token_at<acc_t, TOKEN>(L, c, x, k, o);
         acc.add(o, x.w[k]);
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kThreads) loss_rows_kernel(Tiles t, const doub
   for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < t.rows;
        b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     double s = 0.0, w = 0.0;
-    for (int64_t part = 0; part < t.per_row; ++part) {   // [part][row]: neighbouring threads read neighbours
+    for (int64_t part = 0; part < t.per_row; ++part) {  // [part][row]: neighbouring threads read neighbours
       const double2 v = tile_sums[part * t.rows + b];
       s += v.x;
       w += v.y;
@@ -199,11 +199,10 @@ __global__ void __launch_bounds__(kThreads) loss_rows_kernel(Tiles t, const doub
 
 // Pass 2b, one block. Writes the loss, the metric vector and row_scale (which first holds each row's Σ w).
 template <typename scalar_t>
-__global__ void __launch_bounds__(kFinishThreads) loss_finish_kernel(int agg, int64_t rows, const double2* row_sums,
-                                                                    const double* block_counts, int n_blocks,
-                                                                    scalar_t* loss, scalar_t* metrics,
-                                                                    double* row_scale_out) {
-  constexpr int kVals = 4 + kNumCounts;   // s, w, row_mean, n_rows, counts
+__global__ void __launch_bounds__(kFinishThreads)
+    loss_finish_kernel(int agg, int64_t rows, const double2* row_sums, const double* block_counts, int n_blocks,
+                       scalar_t* loss, scalar_t* metrics, double* row_scale_out) {
+  constexpr int kVals = 4 + kNumCounts;  // s, w, row_mean, n_rows, counts
   constexpr int kWarps = kFinishThreads / kWarpSize;
   __shared__ double warp_vals[kWarps][kVals];
   __shared__ LossTotals totals;
@@ -241,10 +240,9 @@ __global__ void __launch_bounds__(kFinishThreads) loss_finish_kernel(int agg, in
 }
 
 template <typename scalar_t, int CELLS>
-__global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>) loss_grad_kernel(LossParams L, const void* cells_src, int n_cells,
-                                                                LossPointers<scalar_t> in, Tiles t,
-                                                                const double* grad_loss, const double* row_scale,
-                                                                scalar_t* grad) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>)
+    loss_grad_kernel(LossParams L, const void* cells_src, int n_cells, LossPointers<scalar_t> in, Tiles t,
+                     const double* grad_loss, const double* row_scale, scalar_t* grad) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool TOKEN = per_token_mode(CELLS);
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -340,8 +338,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cuda(
     int blocks = 0;
     if (t.count() > 0) {
       const size_t static_bytes = sizeof(double) * kWarpsPerBlock * kNumCounts;
-      const void* shared_kernel = L.mask_kind == kMaskFloat ? (const void*)loss_tokens_kernel<scalar_t, kCellsShared, true>
-                                                            : (const void*)loss_tokens_kernel<scalar_t, kCellsShared, false>;
+      const void* shared_kernel = L.mask_kind == kMaskFloat
+                                      ? (const void*)loss_tokens_kernel<scalar_t, kCellsShared, true>
+                                      : (const void*)loss_tokens_kernel<scalar_t, kCellsShared, false>;
       const CellsPlan plan = plan_loss_cells<acc_t>(L, shared_kernel, static_bytes, device, stream);
       if (plan.mode == kCellsShared) {
         blocks = launch_tokens_mask<scalar_t, kCellsShared>(L, plan, in, t, tile_sums, block_counts, device, stream);
@@ -359,11 +358,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cuda(
     at::Tensor rows_buf;
     if (t.per_row > 1 && t.rows > 0) {
       rows_buf = at::empty({2 * t.rows}, tile_sums.options());
-      const int row_blocks = static_cast<int>(std::min<int64_t>((t.rows + kThreads - 1) / kThreads,
-                                                                resident_blocks((const void*)loss_rows_kernel, kThreads,
-                                                                                0, device)));
+      const int row_blocks = static_cast<int>(std::min<int64_t>(
+          (t.rows + kThreads - 1) / kThreads, resident_blocks((const void*)loss_rows_kernel, kThreads, 0, device)));
       loss_rows_kernel<<<row_blocks, kThreads, 0, stream>>>(t, row_sums,
-                                                             reinterpret_cast<double2*>(rows_buf.data_ptr<double>()));
+                                                            reinterpret_cast<double2*>(rows_buf.data_ptr<double>()));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       row_sums = reinterpret_cast<const double2*>(rows_buf.data_ptr<double>());
     }
@@ -396,14 +394,14 @@ at::Tensor loss_bwd_cuda(const at::Tensor& grad_loss, const at::Tensor& row_scal
   const c10::cuda::CUDAGuard guard(lp.device());
   const LossTensors T = check_loss_inputs("policy_loss_bwd", lp, olp, adv, mask, delta);
   check_grad_inputs("policy_loss_bwd", grad_loss, row_scale, lp);
-  const at::Tensor g = grad_loss.reshape({1}).to(at::kDouble);   // read on the device: no synchronisation
+  const at::Tensor g = grad_loss.reshape({1}).to(at::kDouble);  // read on the device: no synchronisation
   const at::Tensor scale = row_scale.contiguous();
   // The aggregation is folded into row_scale: the backward's LossParams never read `agg`.
   const LossParams L = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio, dual_clip,
                                         mode, kAggTokenSum, delta_scalar, T);
   const int device = lp.get_device();
   const Tiles t = make_tiles(lp.size(0), lp.size(1));
-  at::Tensor grad = at::empty(lp.sizes(), lp.options());   // dense row-major: the layout the kernel writes
+  at::Tensor grad = at::empty(lp.sizes(), lp.options());  // dense row-major: the layout the kernel writes
   if (t.count() == 0 || lp.numel() == 0) return grad;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lp.scalar_type(), "policy_loss_bwd_cuda", [&] {
