@@ -18,7 +18,6 @@ import math
 import torch
 
 from . import api as _api
-from . import divergences as _div
 from . import loss_spec as _spec
 
 COUNTS = _spec.COUNTS
@@ -58,9 +57,7 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
     if mask is not None and mask.dtype not in (torch.bool, dtype):
         mask = mask.to(dtype)            # bool masks pass as bytes; others are weights
     div_name = divergence if clip == "band" else "kl"   # the other clips ignore the table
-    div = _div.get(div_name)
-    if div.compiled_id is None:
-        raise ValueError(f"policy_loss: divergence {divergence!r} has no compiled kernel")
+    div = _api.compiled_divergence(div_name)
     meta, coefficients = _api.table_for(div.name, lp)
     delta_t, delta_s = None, 0.0
     if clip == "band":
@@ -89,6 +86,10 @@ class BandPolicyLoss(torch.nn.Module):
         else:
             z = torch.zeros(1, 1)
         _spec.check_args(z, z, z, None, delta, divergence, max_ratio, dual_clip, agg, clip, mode, eps_low, eps_high)
+        if clip == "band":   # the divergence must be compiled, a number δ within its table's range
+            div = _api.compiled_divergence(divergence)
+            if not isinstance(delta, torch.Tensor):
+                _api.check_delta(float(delta), _api._table_meta(div.name, "cpu"))
 
     def forward(self, log_prob, old_log_prob, advantages, mask=None):
         return policy_loss(log_prob, old_log_prob, advantages, mask, **self.settings)

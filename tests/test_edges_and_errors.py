@@ -104,3 +104,13 @@ def test_reference_bounds_is_callable_as_documented():
     p = torch.tensor([0.01, 0.5], dtype=torch.float64)
     lo, up = bandpo_lut.reference.bounds(p, 0.05, "kl")
     assert torch.allclose(up, bandpo_lut.bounds(p, 0.05)[1], rtol=1e-9)
+
+
+def test_band_policy_loss_refuses_bad_settings_at_construction():
+    with pytest.raises(ValueError, match="divergence"):
+        bandpo_lut.BandPolicyLoss(divergence="nope")
+    with pytest.raises(ValueError, match="divergence: 'reverse_kl' has no compiled kernel"):
+        bandpo_lut.BandPolicyLoss(divergence="reverse_kl")
+    with pytest.raises(ValueError, match="delta: 2.0 is outside"):
+        bandpo_lut.BandPolicyLoss(delta=2.0)
+    bandpo_lut.BandPolicyLoss(clip="fixed", divergence="kl")   # the baselines ignore the band
