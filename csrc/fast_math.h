@@ -84,6 +84,17 @@ BANDPO_HD float log_f32(float x) {
 #endif
 }
 
+// e^x = e^r·2^n with n = round(x/ln2) and r = x - n·ln2 (two-part): returns the series of e^r to r^7
+// (|r| ≤ 0.347, exact to 5e-9) and n, for exp_f32 and exp_f32_normal. Rounds to nearest by the 1.5·2^23
+// trick: no libm call, so the baseline-ISA loop vectorises too.
+BANDPO_HD float exp_f32_reduced(float xc, float& n) {
+  n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  return 1.0f +
+         r * (1.0f +
+              r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r * (1.0f / 5040)))))));
+}
+
 // exp(x): n = round(x/ln2), r = x - n·ln2 (two-part), e^r by its Taylor series to r^7 (|r| ≤ 0.347, exact
 // to 5e-9), scaled by 2^n in two halves so that results in the subnormal range are still produced.
 BANDPO_HD float exp_f32(float x) {
@@ -91,12 +102,8 @@ BANDPO_HD float exp_f32(float x) {
   return expf(x);
 #else
   const float xc = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);  // NaN passes through untouched
-  // Round to nearest by the 1.5·2^23 trick: no libm call, so the baseline-ISA loop vectorises too.
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  const float pr =
-      1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 +
-                                          r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r * (1.0f / 5040)))))));
+  float n;
+  const float pr = exp_f32_reduced(xc, n);
   const std::int32_t ni = static_cast<std::int32_t>(xc == xc ? n : 0.0f);
   const std::int32_t n1 = ni / 2, n2 = ni - n1;
   const float out = pr * bits_to_float((n1 + 127) << 23) * bits_to_float((n2 + 127) << 23);
@@ -111,11 +118,8 @@ BANDPO_HD float exp_f32_normal(float x) {
   return expf(x);
 #else
   const float xc = x < -87.0f ? -87.0f : (x > 88.7f ? 88.7f : x);
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  const float pr =
-      1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 +
-                                          r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r * (1.0f / 5040)))))));
+  float n;
+  const float pr = exp_f32_reduced(xc, n);
   const std::int32_t ni = static_cast<std::int32_t>(xc == xc ? n : 0.0f);
   const float out = pr * bits_to_float((ni + 127) << 23);
   return (x != x) ? x : out;
