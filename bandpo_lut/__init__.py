@@ -24,3 +24,13 @@ def build_info() -> dict:
 
 __all__ = ["bounds", "clip", "policy_loss", "BandPolicyLoss", "metrics_from_counts", "COUNTS", "FRACTIONS",
            "build_info", "divergence_names", "__version__"]
+
+
+def __getattr__(name: str):
+    # `bandpo_lut.reference.bounds(...)` (the float64 table reader) works after `import bandpo_lut` alone,
+    # without importing the references with the package.
+    if name == "reference":
+        import importlib
+
+        return importlib.import_module(".reference", __name__)
+    raise AttributeError(f"module 'bandpo_lut' has no attribute {name!r}")

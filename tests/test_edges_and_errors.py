@@ -86,7 +86,10 @@ def test_clip_gradient_is_scalar_bound_clamps():
         ref = torch.clamp(ratio, lo, up)
         ref.sum().backward()
         assert torch.equal(ours.detach().nan_to_num(-1), ref.detach().nan_to_num(-1))
-        assert torch.equal(ours_grad, ratio.grad), (divergence, ours_grad, ratio.grad)
+        # torch.clamp's own gradient at an exact tie changed in torch 2.14 (1 before, 0 since); away from the
+        # ties ours must be torch.clamp's, and at the ties it is 1 (the bounds belong to the band).
+        ties = torch.tensor([False, False, True, False, False, True, False, False, False])
+        assert torch.equal(ours_grad[~ties], ratio.grad[~ties]), (divergence, ours_grad, ratio.grad)
         assert ours_grad.tolist() == [0, 0, 1, 1, 1, 1, 0, 0, 0]
 
 
