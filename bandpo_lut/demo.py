@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from .cli import max_ratio_arg
+from .loss import policy_loss, ratio_bounds
 
 # name -> policy_loss keyword arguments; max_ratio is added from --max-ratio for dcpo and band.
 METHODS = {
@@ -104,9 +105,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="std of the initial logits (default 4: the top token has p ~ 0.4)")
     parser.add_argument("--max-ratio", type=max_ratio_arg, default=10.0,
                         help="cap on the upper bound of DCPO and BandPO, 'none' for no cap (default 10)")
-    parser.add_argument("--loss", choices=("auto", "fused", "reference"), default="auto",
-                        help="policy_loss implementation: the fused op, the pure-PyTorch reference, "
-                             "or auto (fused when available; default)")
     parser.add_argument("--every", type=_positive_int, default=None,
                         help="print every N steps (default: about 10 rows per method)")
     parser.add_argument("--out", type=_out_path, default=Path(DEFAULT_OUT),
@@ -149,17 +147,16 @@ def _run(args: argparse.Namespace) -> int:
         return _usage_error(f"--out {args.out}: the figure's name must end in .png or .svg")
     n_seeds = args.seeds or (1 if args.quick else 5)
     seeds = list(range(args.seed, args.seed + n_seeds))
-    loss_fn, loss_name = pick_loss(args.loss)
     print(f"BandPO demo: {len(seeds)} seed(s) x {cfg.steps} steps; {cfg.contexts} contexts, vocab "
           f"{cfg.vocab} (initial logits ~ N(0, {cfg.init_scale}^2)), {cfg.good} rewarded tokens per "
           f"context drawn from initial ranks {cfg.good_ranks[0]}..{cfg.good_ranks[1] - 1}; groups of "
           f"{cfg.group} responses x {cfg.tokens} tokens; {cfg.epochs * cfg.minibatches} Adam updates "
-          f"(lr {cfg.lr}) per batch; max_ratio {cfg.max_ratio} for dcpo and bandpo; loss: {loss_name}")
+          f"(lr {cfg.lr}) per batch; max_ratio {cfg.max_ratio} for dcpo and bandpo; loss: bandpo_lut.policy_loss")
 
     start = time.perf_counter()
     history = {}  # method -> quantity -> tensor (seeds, steps)
     for method in args.methods:
-        runs = [train(method, seed, cfg, loss_fn) for seed in seeds]
+        runs = [train(method, seed, cfg) for seed in seeds]
         history[method] = {k: torch.stack([r[k] for r in runs]) for k in runs[0]}
     elapsed = time.perf_counter() - start
 
@@ -199,7 +196,7 @@ def method_kwargs(method: str, cfg: Config) -> dict:
     return kwargs
 
 
-def train(method: str, seed: int, cfg: Config, loss_fn) -> dict:
+def train(method: str, seed: int, cfg: Config) -> dict:
     """One GRPO run; returns per-step tensors: entropy, reward, rates and the KEPT counts."""
     logits0, good = make_task(seed, cfg)
     theta = torch.nn.Parameter(logits0.clone())
@@ -223,7 +220,7 @@ def train(method: str, seed: int, cfg: Config, loss_fn) -> dict:
         for _ in range(cfg.epochs):  # PPO: minibatches of responses drawn across all contexts
             for idx in torch.randperm(C * G, generator=sampler).chunk(cfg.minibatches):
                 lp = torch.gather(torch.log_softmax(theta, dim=1)[context_of[idx]], 1, tokens[idx])
-                loss, metrics = loss_fn(lp, old_lp[idx], adv[idx], **kwargs)
+                loss, metrics = policy_loss(lp, old_lp[idx], adv[idx], **kwargs)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -247,23 +244,6 @@ def _windowed_rate(num: torch.Tensor, den: torch.Tensor, window: int) -> torch.T
 
 def _rate(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(den > 0, num / den.clamp(min=1), torch.zeros_like(num))
-
-
-def pick_loss(which: str):
-    """The fused `bandpo_lut.policy_loss` when available (and asked for), else the reference."""
-    if which in ("auto", "fused"):
-        try:
-            from bandpo_lut import policy_loss as fused
-
-            x = torch.zeros(1, 1)
-            fused(x, x, x)  # a missing or mismatched extension shows up here, not mid-run
-            return fused, "bandpo_lut.policy_loss (fused)"
-        except (ImportError, RuntimeError, OSError, AttributeError) as err:
-            if which == "fused":
-                raise SystemExit(f"bandpo-lut demo: error: --loss fused: {err}") from err
-    from bandpo_lut.reference.policy_loss import policy_loss
-
-    return policy_loss, "bandpo_lut.reference.policy_loss (pure PyTorch)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,16 +344,9 @@ def plot_history(history: dict, out: Path, cfg: Config, n_seeds: int) -> None:
 
 def _plot_upper_bounds(ax, history: dict, cfg: Config, colors: dict) -> None:
     """Each method's ratio bounds against p_old, to read the clip rates above."""
-    from bandpo_lut.reference.policy_loss import DEFAULT_EPS, ratio_bounds
-
     p = torch.logspace(-4, 0, 400, dtype=torch.float64)
     for method in history:
-        kw = method_kwargs(method, cfg)
-        clip = kw.pop("clip")
-        if clip in DEFAULT_EPS:
-            kw.setdefault("eps_low", DEFAULT_EPS[clip][0])
-            kw.setdefault("eps_high", DEFAULT_EPS[clip][1])
-        lo, up = ratio_bounds(p.log(), clip=clip, **kw)
+        lo, up = ratio_bounds(p, **method_kwargs(method, cfg))
         ax.plot(p, up, color=colors[method], lw=1.8, label=method, ls=STYLES[method])
         ax.plot(p, lo, color=colors[method], lw=1.2, ls=":")
     ax.plot(p, 1 / p, color="black", lw=1, ls=(0, (1, 3)), label="simplex limit 1/p")

@@ -31,7 +31,7 @@ import time
 import mpmath
 import numpy as np
 
-from . import __version__, accuracy, divergences, exact, table_format
+from . import __version__, divergences, exact, table_format
 
 DEFAULTS = dict(t_max=14.0, t_density=16, delta_min=1e-3, delta_max=1.0, s_nodes=113, ghost=12, dps=40,
                 accuracy_points=1500, dtype="float32", seed=20261202)
@@ -331,14 +331,9 @@ def _smallest_t_max(div, t_max, delta_min, delta_max):
 
 
 def _measure(blob, div, n, seed, t_max):
-    import torch
+    from .verify import measure
 
-    from .reference.bounds import bounds as ref_bounds
-    table = _table_from_blob(blob, div)
-    p, d = accuracy.sample_points(n, table.delta_min, table.delta_max, seed, t_max, table.delta_max_inclusive)
-    lo, up = ref_bounds(torch.from_numpy(p), torch.from_numpy(d), div.name, table=table)
-    rlo, rup = accuracy.exact_bounds_f64(p, d, div.name)
-    eu, el, _, _ = accuracy.worst(lo.numpy(), up.numpy(), rlo, rup)
+    eu, el, *_ = measure(_table_from_blob(blob, div), n, seed, t_max)
     return {"points": n, "seed": seed, "reader": "bandpo_lut.reference.bounds (float64)",
             "upper_max_rel_error": float(f"{eu:.3g}"), "lower_max_error": float(f"{el:.3g}"),
             "lower_error_measure": "|r - r*| / (r* (1 + |ln r*|))",

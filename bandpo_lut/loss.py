@@ -72,6 +72,21 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
     return loss, dict(zip(_spec.METRICS, metrics.unbind()))
 
 
+def ratio_bounds(p_old: torch.Tensor, *, clip="band", delta=0.05, divergence="kl", max_ratio=None, eps_low=None,
+                 eps_high=None):
+    """The [lower, upper] ratio bounds that `policy_loss(clip=...)` applies at the old probabilities `p_old`
+    (for figures and logs): the compiled band for clip="band", the baseline formulas otherwise (eps defaults
+    as in `policy_loss`); the upper bound capped by max_ratio. Returned in p_old's dtype."""
+    if clip == "band":
+        return _api.bounds(p_old, delta, divergence, max_ratio=max_ratio)
+    if clip not in _spec.DEFAULT_EPS:
+        raise ValueError(f"clip: unknown clip={clip!r}; choose one of {_spec.CLIPS}")
+    default_low, default_high = _spec.DEFAULT_EPS[clip]
+    lo, up = _spec.baseline_bounds(p_old, clip, default_low if eps_low is None else eps_low,
+                                   default_high if eps_high is None else eps_high)
+    return lo, up if max_ratio is None else torch.clamp(up, max=float(max_ratio))
+
+
 class BandPolicyLoss(torch.nn.Module):
     """`policy_loss` with its settings held by a module: `loss, metrics = BandPolicyLoss(...)(lp, olp, adv, mask)`."""
 

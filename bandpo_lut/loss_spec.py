@@ -53,6 +53,20 @@ FRACTION_INDICES = tuple((COUNTS.index(num), COUNTS.index(den)) for num, den in 
 DEFAULT_EPS = {"fixed": (0.2, 0.2), "dcpo": (0.16, 0.2)}
 
 
+def baseline_bounds(p_old: torch.Tensor, clip: str, eps_low: float, eps_high: float):
+    """[lo, up] of a baseline clip at p_old, before any max_ratio cap (the compiled loss writes the same
+    formulas in `csrc/loss_element.h`; the tests compare the two).
+
+    "fixed": PPO's [1 - eps_low, 1 + eps_high]. "dcpo": DCPO's lo = 1/2 + 1/2·sqrt(max(1 - 4·eps_low/p, 0)),
+    up = 1/2 + 1/2·sqrt(1 + 4·eps_high/p), so at p = 0: lo = 1/2, up = +inf."""
+    if clip == "fixed":
+        return torch.full_like(p_old, 1.0 - eps_low), torch.full_like(p_old, 1.0 + eps_high)
+    if clip == "dcpo":
+        lo = 0.5 + 0.5 * torch.sqrt(torch.clamp(1.0 - 4.0 * eps_low / p_old, min=0.0))
+        return lo, 0.5 + 0.5 * torch.sqrt(1.0 + 4.0 * eps_high / p_old)
+    raise ValueError(f"clip: expected a baseline clip ('fixed' or 'dcpo'), got {clip!r}")
+
+
 def safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     """num / den, and 0 where den == 0, with no NaN in either direction of autograd."""
     nonzero = den != 0

@@ -6,7 +6,7 @@ Two panels share a log-scale p axis:
   * the allowed change of the token's probability, p*(r - 1): up to p*(up - 1) upwards, down to
     p*(lo - 1) downwards, with the simplex limits 1 - p and -p.
 Overlaid: canonical PPO clip [0.8, 1.2], clip-higher [0.8, 1.28] and DCPO (eps 0.16 / 0.2).
-Bounds come from `bandpo_lut.reference.bounds` in float64.
+Bounds are what the loss applies (`bandpo_lut.loss.ratio_bounds`: the compiled band, evaluated in float64).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .cli import max_ratio_arg
+from .loss import ratio_bounds
 
 BASELINES = (  # label, clip, eps_low, eps_high, colour, line style
     ("PPO clip 0.8 / 1.2", "fixed", 0.2, 0.2, "0.25", (0, (5, 2))),
@@ -61,17 +62,12 @@ def run(args: argparse.Namespace) -> int:
 
 def band_curves(divergences, deltas, p_min: float, max_ratio):
     """p and, per (divergence, delta), the (lower, upper) ratio bounds in float64."""
-    from bandpo_lut.reference.bounds import bounds
-
     p = torch.cat([torch.logspace(math.log10(p_min), 0, 800, dtype=torch.float64)[:-1],
                    torch.ones(1, dtype=torch.float64)])
     curves = {}
     for div in divergences:
         for delta in deltas:
-            lo, up = bounds(p, delta, div)
-            if max_ratio is not None:
-                up = torch.clamp(up, max=max_ratio)
-            curves[div, delta] = (lo, up)
+            curves[div, delta] = ratio_bounds(p, clip="band", delta=delta, divergence=div, max_ratio=max_ratio)
     return p, curves
 
 
@@ -80,8 +76,6 @@ def draw(curves, args: argparse.Namespace) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from bandpo_lut.reference.policy_loss import ratio_bounds
 
     p, bands = curves
     fig, (ax_r, ax_q) = plt.subplots(1, 2, figsize=(14, 7), constrained_layout=True)
@@ -97,7 +91,7 @@ def draw(curves, args: argparse.Namespace) -> None:
             ax_q.plot(p, p * (lo - 1), **style)
     if not args.no_baselines:
         for label, clip, eps_low, eps_high, colour, ls in BASELINES:
-            lo, up = ratio_bounds(p.log(), clip=clip, eps_low=eps_low, eps_high=eps_high,
+            lo, up = ratio_bounds(p, clip=clip, eps_low=eps_low, eps_high=eps_high,
                                   max_ratio=args.max_ratio)
             style = dict(color=colour, ls=ls, lw=1.5)
             ax_r.plot(p, up, label=label, **style)

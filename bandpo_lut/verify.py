@@ -56,11 +56,22 @@ def monotonicity_violations(table, n_p: int, n_delta: int):
     return rises(finite_up, 1), falls(lo, 1), falls(finite_up, 0), rises(lo, 0)
 
 
-def verify_file(path, points, seed, n_p, n_delta, tolerance=None, out=None) -> bool:
-    out = out or sys.stdout
+def measure(table, points: int, seed: int, t_max: float):
+    """Worst errors of `table` (read in float64 by `bandpo_lut.reference.bounds`) against the mpmath roots at
+    `points` random off-grid (p, δ): (upper max rel err, lower max err, index of each, p, δ). The generator
+    stamps its tables' accuracy with this measurement, and `verify` repeats it."""
     import torch
 
     from .reference.bounds import bounds
+    p, d = accuracy.sample_points(points, table.delta_min, table.delta_max, seed, t_max, table.delta_max_inclusive)
+    lo, up = bounds(torch.from_numpy(p), torch.from_numpy(d), table.divergence.name, table=table)
+    rlo, rup = accuracy.exact_bounds_f64(p, d, table.divergence.name)
+    eu, el, iu, il = accuracy.worst(lo.numpy(), up.numpy(), rlo, rup)
+    return eu, el, iu, il, p, d
+
+
+def verify_file(path, points, seed, n_p, n_delta, tolerance=None, out=None) -> bool:
+    out = out or sys.stdout
     try:
         table = tables.load(path)
     except (TableFormatError, OSError) as e:
@@ -69,11 +80,7 @@ def verify_file(path, points, seed, n_p, n_delta, tolerance=None, out=None) -> b
     stated = (table.header.get("accuracy") or {}).get("tolerance", 1e-6)
     tol = float(stated if tolerance is None else tolerance)
     name = table.divergence.name
-    p, d = accuracy.sample_points(points, table.delta_min, table.delta_max, seed, table.t.max,
-                                  table.delta_max_inclusive)
-    lo, up = bounds(torch.from_numpy(p), torch.from_numpy(d), name, table=table)
-    rlo, rup = accuracy.exact_bounds_f64(p, d, name)
-    eu, el, iu, il = accuracy.worst(lo.numpy(), up.numpy(), rlo, rup)
+    eu, el, iu, il, p, d = measure(table, points, seed, table.t.max)
     mono = monotonicity_violations(table, n_p, n_delta)
     ok = eu <= tol and el <= tol and not any(mono)
     h = table.header

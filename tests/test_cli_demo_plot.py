@@ -27,7 +27,7 @@ def test_demo_svg_subset_and_no_figure(tmp_path, capsys):
     out = tmp_path / "demo.svg"
     assert main(TINY_DEMO + ["--methods", "bandpo,ppo-clip", "--seeds", "2", "--out", str(out)]) == 0
     assert b"<svg" in out.read_bytes()[:500]
-    assert main(TINY_DEMO + ["--methods", "dcpo", "--out", "none", "--loss", "reference"]) == 0
+    assert main(TINY_DEMO + ["--methods", "dcpo", "--out", "none"]) == 0
     assert "figure written" not in capsys.readouterr().out.split("summary")[-1]
 
 
@@ -64,7 +64,6 @@ ARGPARSE_ERRORS = [  # rejected by argparse itself: exit status 2, the option na
     (["demo", "--max-ratio", "0.5"], "--max-ratio"),
     (["demo", "--good-ranks", "5"], "--good-ranks"),
     (["demo", "--lr", "-1"], "--lr"),
-    (["demo", "--loss", "fast"], "--loss"),
     (["plot", "--divergences", "kl,nope"], "unknown divergence"),
     (["plot", "--deltas", "0.05,-1"], "--deltas"),
     (["plot", "--p-min", "0"], "--p-min"),

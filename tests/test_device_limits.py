@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import ALL_DEVICES, rel_error_lower, rel_error_upper
+from helpers import ALL_DEVICES, rel_error_lower, rel_error_upper
 
 import bandpo_lut
 from bandpo_lut import _ops  # noqa: F401  (loads the ops for the direct calls below)

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import ALL_DEVICES
+from helpers import ALL_DEVICES
 
 import bandpo_lut
 from bandpo_lut.reference import policy_loss as spec
@@ -220,3 +220,31 @@ def test_uint8_and_integer_masks_are_weights():
     for m in (weights, weights.to(torch.int32)):
         fused, ref = bandpo_lut.policy_loss(lp, olp, adv, m), spec.policy_loss(lp, olp, adv, m)
         compare(fused, ref, 1e-10)
+
+
+def test_ratio_bounds_are_the_bounds_the_loss_applies():
+    """`bandpo_lut.loss.ratio_bounds` (drawn by `plot` and `demo`) against independent references: the
+    float64 table reader for the band, the closed forms for the baselines, their defaults and the cap."""
+    import math
+
+    from bandpo_lut.loss import ratio_bounds
+    from bandpo_lut.reference.bounds import bounds as reference_bounds
+
+    p = torch.cat([torch.logspace(-6, 0, 2001, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)])
+    for div in ("kl", "tv", "chi2", "hellinger"):
+        lo, up = ratio_bounds(p, delta=0.05, divergence=div, max_ratio=10.0)
+        rlo, rup = reference_bounds(p, 0.05, div)
+        torch.testing.assert_close(lo, rlo, rtol=2e-6, atol=1e-12, msg=div)
+        torch.testing.assert_close(up, rup.clamp(max=10.0), rtol=2e-6, atol=0, msg=div)
+    q = p[:-1]   # p > 0 (DCPO's lower bound is 0/0 at p = 0)
+    lo, up = ratio_bounds(q, clip="fixed")                       # PPO's defaults 0.2 / 0.2
+    assert bool((lo == 0.8).all() and (up == 1.2).all())
+    lo, up = ratio_bounds(q, clip="fixed", eps_low=0.2, eps_high=0.28, max_ratio=1.1)
+    assert bool((lo == 0.8).all() and (up == 1.1).all())
+    lo, up = ratio_bounds(q, clip="dcpo", max_ratio=10.0)        # DCPO's defaults 0.16 / 0.2
+    for i in (0, 700, 1500, 2000):
+        x = float(q[i])
+        assert math.isclose(float(lo[i]), 0.5 + 0.5 * math.sqrt(max(1 - 0.64 / x, 0.0)), rel_tol=1e-15)
+        assert math.isclose(float(up[i]), min(10.0, 0.5 + 0.5 * math.sqrt(1 + 0.8 / x)), rel_tol=1e-15)
+    with pytest.raises(ValueError, match="clip"):
+        ratio_bounds(q, clip="ppo")

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import ALL_DEVICES
+from helpers import ALL_DEVICES
 
 import bandpo_lut
 from bandpo_lut import tables

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from conftest import rel_error_lower, rel_error_upper
+from helpers import rel_error_lower, rel_error_upper
 
 from bandpo_lut import accuracy, table_format, tables
 from bandpo_lut.cli import main

@@ -107,6 +107,7 @@ from bandpo_lut.loss_spec import (  # noqa: F401
     LOG_RATIO_CLAMP,
     LOWPROB,
     MODES,
+    baseline_bounds,
     metrics_from_counts,
 )
 from bandpo_lut.loss_spec import check_args as _check_args
@@ -133,12 +134,8 @@ def ratio_bounds(log_p_old: torch.Tensor, *, clip: str = "band", delta=0.05,
     if clip == "band":
         lo, up = _band_bounds(log_p_old, delta, divergence)
         lo, up = lo.to(p_old.dtype), up.to(p_old.dtype)
-    elif clip == "fixed":
-        lo = torch.full_like(p_old, 1.0 - eps_low)
-        up = torch.full_like(p_old, 1.0 + eps_high)
-    else:  # dcpo; at p = 0: lo = 1/2, up = +inf
-        lo = 0.5 + 0.5 * torch.sqrt(torch.clamp(1.0 - 4.0 * eps_low / p_old, min=0.0))
-        up = 0.5 + 0.5 * torch.sqrt(1.0 + 4.0 * eps_high / p_old)
+    else:
+        lo, up = baseline_bounds(p_old, clip, eps_low, eps_high)
     if max_ratio is not None:
         up = torch.clamp(up, max=float(max_ratio))
     return lo, up

@@ -1,4 +1,4 @@
-"""Shared test helpers: one device list, and float-aware error measures."""
+"""Shared test helpers (imported as `from helpers import ...`): one device list, and float-aware error measures."""
 from __future__ import annotations
 
 import math
