@@ -12,15 +12,15 @@
 namespace bandpo {
 
 template <typename acc_t>
-BANDPO_HD const acc_t* cell_table(const BandParams& P);
+BANDPO_HD const acc_t* cell_table(const BandParams& band);
 
 template <>
-BANDPO_HD const float* cell_table<float>(const BandParams& P) {
-  return P.cell_f;
+BANDPO_HD const float* cell_table<float>(const BandParams& band) {
+  return band.cell_f;
 }
 template <>
-BANDPO_HD const double* cell_table<double>(const BandParams& P) {
-  return P.cell_d;
+BANDPO_HD const double* cell_table<double>(const BandParams& band) {
+  return band.cell_d;
 }
 
 // Float64 inputs: beyond the grid the asymptotic tail values are refined by the exact fixed points
@@ -37,69 +37,69 @@ BANDPO_HD void kl_refine_tails(const TableView& tb, acc_t p, acc_t one_minus_p, 
 
 // KL with a scalar δ: the hot path (one log, one exp, two cubics per element). LOG: x is log p.
 template <bool LOG, typename acc_t>
-BANDPO_HD void kl_scalar_delta_t(const BandParams& P, const acc_t* cells, const DeltaConsts<acc_t>& c, acc_t x,
+BANDPO_HD void kl_scalar_delta_t(const BandParams& band, const acc_t* cells, const DeltaConsts<acc_t>& c, acc_t x,
                                  acc_t& lo, acc_t& up) {
   acc_t p, one_minus_p, t, u;
   prob_terms_t<LOG, acc_t>(x, p, one_minus_p, t);
-  const int k = axis_cell<acc_t>(t, P.table.t_min, P.table.t_step, P.table.nt, u);
+  const int k = axis_cell<acc_t>(t, band.table.t_min, band.table.t_step, band.table.nt, u);
   const acc_t* a = cells + 8 * k;
   const acc_t q = a[0] + u * (a[1] + u * (a[2] + u * a[3]));
   const acc_t kappa = a[4] + u * (a[5] + u * (a[6] + u * a[7]));
-  kl_finish<acc_t>(p, one_minus_p, t, q, kappa, c, P.table, lo, up);
-  kl_refine_tails<acc_t>(P.table, p, one_minus_p, t, c, lo, up);
+  kl_finish<acc_t>(p, one_minus_p, t, q, kappa, c, band.table, lo, up);
+  kl_refine_tails<acc_t>(band.table, p, one_minus_p, t, c, lo, up);
 }
 
 template <typename acc_t>
-BANDPO_HD void kl_scalar_delta(const BandParams& P, const acc_t* cells, const DeltaConsts<acc_t>& c, acc_t x, acc_t& lo,
-                               acc_t& up) {
-  if (P.log_input) {
-    kl_scalar_delta_t<true, acc_t>(P, cells, c, x, lo, up);
+BANDPO_HD void kl_scalar_delta(const BandParams& band, const acc_t* cells, const DeltaConsts<acc_t>& c, acc_t x,
+                               acc_t& lo, acc_t& up) {
+  if (band.log_input) {
+    kl_scalar_delta_t<true, acc_t>(band, cells, c, x, lo, up);
   } else {
-    kl_scalar_delta_t<false, acc_t>(P, cells, c, x, lo, up);
+    kl_scalar_delta_t<false, acc_t>(band, cells, c, x, lo, up);
   }
 }
 
 // KL with a per-token δ.
 template <typename acc_t>
-BANDPO_HD void kl_token_delta(const BandParams& P, acc_t x, acc_t delta, acc_t& lo, acc_t& up) {
+BANDPO_HD void kl_token_delta(const BandParams& band, acc_t x, acc_t delta, acc_t& lo, acc_t& up) {
   acc_t p, one_minus_p, t;
-  prob_terms<acc_t>(x, P.log_input, p, one_minus_p, t);
+  prob_terms<acc_t>(x, band.log_input, p, one_minus_p, t);
   const DeltaConsts<acc_t> c = delta_consts<acc_t>(delta);
   acc_t q, kappa;
-  spline2d<acc_t>(P.table, t, log_any(delta), q, kappa);
-  kl_finish<acc_t>(p, one_minus_p, t, q, kappa, c, P.table, lo, up);
-  kl_refine_tails<acc_t>(P.table, p, one_minus_p, t, c, lo, up);
+  spline2d<acc_t>(band.table, t, log_any(delta), q, kappa);
+  kl_finish<acc_t>(p, one_minus_p, t, q, kappa, c, band.table, lo, up);
+  kl_refine_tails<acc_t>(band.table, p, one_minus_p, t, c, lo, up);
 }
 
 // Closed forms, always in double: the probability terms are recomputed in double from the input.
 template <typename acc_t>
-BANDPO_HD void closed_form(const BandParams& P, acc_t x, double delta, acc_t& lo, acc_t& up) {
+BANDPO_HD void closed_form(const BandParams& band, acc_t x, double delta, acc_t& lo, acc_t& up) {
   double p, one_minus_p, t, l, u;
-  prob_terms<double>(static_cast<double>(x), P.log_input, p, one_minus_p, t);
-  closed_form_bounds(P.divergence, p, one_minus_p, delta, l, u);
+  prob_terms<double>(static_cast<double>(x), band.log_input, p, one_minus_p, t);
+  closed_form_bounds(band.divergence, p, one_minus_p, delta, l, u);
   lo = static_cast<acc_t>(l);
   up = static_cast<acc_t>(u);
 }
 
 // Any divergence, any δ mode; applies the δ-range check (per-token δ) and the max_ratio cap.
 template <typename acc_t, bool PER_TOKEN>
-BANDPO_HD void band_element(const BandParams& P, const DeltaConsts<acc_t>& c, acc_t x, acc_t delta, acc_t& lo,
+BANDPO_HD void band_element(const BandParams& band, const DeltaConsts<acc_t>& c, acc_t x, acc_t delta, acc_t& lo,
                             acc_t& up) {
-  const bool ok = !PER_TOKEN || delta_valid<acc_t>(P.table, delta);
-  if (PER_TOKEN) delta = delta_in_range<acc_t>(P.table, delta);
-  if (P.divergence == kKL) {
+  const bool ok = !PER_TOKEN || delta_valid<acc_t>(band.table, delta);
+  if (PER_TOKEN) delta = delta_in_range<acc_t>(band.table, delta);
+  if (band.divergence == kKL) {
     if (PER_TOKEN) {
-      kl_token_delta<acc_t>(P, x, delta, lo, up);
+      kl_token_delta<acc_t>(band, x, delta, lo, up);
     } else {
-      kl_scalar_delta<acc_t>(P, cell_table<acc_t>(P), c, x, lo, up);
+      kl_scalar_delta<acc_t>(band, cell_table<acc_t>(band), c, x, lo, up);
     }
   } else {
-    closed_form<acc_t>(P, x, PER_TOKEN ? static_cast<double>(delta) : P.delta, lo, up);
+    closed_form<acc_t>(band, x, PER_TOKEN ? static_cast<double>(delta) : band.delta, lo, up);
   }
   if (!ok) {
     lo = up = acc_t(0) / acc_t(0);
   }
-  const acc_t cap = static_cast<acc_t>(P.max_ratio);
+  const acc_t cap = static_cast<acc_t>(band.max_ratio);
   up = up > cap ? cap : up;
 }
 

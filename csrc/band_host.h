@@ -91,27 +91,27 @@ inline double round_to(at::ScalarType t, double x) {
 // delta_dtype: the storage type of a per-token δ, whose range ends count as those ends rounded to it.
 inline BandParams make_params(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence, bool log_input,
                               double delta, double max_ratio, at::ScalarType delta_dtype = at::kDouble) {
-  BandParams P{};
-  P.table.coef = table.data_ptr<float>();
-  P.table.nt = static_cast<int>(table.size(1)) - 2;
-  P.table.ns = static_cast<int>(table.size(2)) - 2;
-  P.table.t_min = grid[kTMin];
-  P.table.t_step = grid[kTStep];
-  P.table.s_min = grid[kSMin];
-  P.table.s_step = grid[kSStep];
-  P.table.delta_min = grid[kDeltaMin];
-  P.table.delta_max = grid[kDeltaMax];
-  P.table.delta_max_inclusive = grid[kDeltaMaxInclusive] != 0.0;
-  P.table.valid_min = round_to(delta_dtype, grid[kDeltaMin]);
-  P.table.valid_max = round_to(delta_dtype, grid[kDeltaMax]);
-  P.divergence = static_cast<int>(divergence);
-  P.log_input = log_input;
-  P.max_ratio = std::isnan(max_ratio) ? std::numeric_limits<double>::infinity() : max_ratio;
-  P.delta = delta;
-  P.delta_js = delta_weights(P.table, delta, P.delta_ws);
-  P.cell_f = nullptr;
-  P.cell_d = nullptr;
-  return P;
+  BandParams band{};
+  band.table.coef = table.data_ptr<float>();
+  band.table.nt = static_cast<int>(table.size(1)) - 2;
+  band.table.ns = static_cast<int>(table.size(2)) - 2;
+  band.table.t_min = grid[kTMin];
+  band.table.t_step = grid[kTStep];
+  band.table.s_min = grid[kSMin];
+  band.table.s_step = grid[kSStep];
+  band.table.delta_min = grid[kDeltaMin];
+  band.table.delta_max = grid[kDeltaMax];
+  band.table.delta_max_inclusive = grid[kDeltaMaxInclusive] != 0.0;
+  band.table.valid_min = round_to(delta_dtype, grid[kDeltaMin]);
+  band.table.valid_max = round_to(delta_dtype, grid[kDeltaMax]);
+  band.divergence = static_cast<int>(divergence);
+  band.log_input = log_input;
+  band.max_ratio = std::isnan(max_ratio) ? std::numeric_limits<double>::infinity() : max_ratio;
+  band.delta = delta;
+  band.delta_js = delta_weights(band.table, delta, band.delta_ws);
+  band.cell_f = nullptr;
+  band.cell_d = nullptr;
+  return band;
 }
 
 // Broadcast shape of the element-wise inputs (a clear error when they cannot broadcast).

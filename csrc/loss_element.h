@@ -92,6 +92,16 @@ struct LossParams {
   bool per_token_delta;  // a δ tensor of the inputs' shape is given
 };
 
+// Where a kernel reads its inputs: dense row-major (batch, T) arrays (CUDA: the batch; CPU: one row).
+template <typename scalar_t>
+struct LossInputs {
+  const scalar_t* lp;
+  const scalar_t* olp;
+  const scalar_t* adv;
+  const scalar_t* delta;  // per-token δ or null
+  const void* mask;       // LossParams::mask_kind says how to read it; null without a mask
+};
+
 // A token's weight from the mask (MASK: MaskKind): the one decoding of the mask for every backend.
 template <int MASK, typename scalar_t, typename acc_t>
 BANDPO_HD acc_t mask_weight(const void* mask, int64_t i) {
@@ -122,28 +132,28 @@ struct TokenTerms {
 // The bounds of the chosen clip at old log-probability olp, capped by max_ratio once (band_element caps
 // the band itself).
 template <typename acc_t, bool PER_TOKEN>
-BANDPO_HD void clip_bounds(const LossParams& L, const DeltaConsts<acc_t>& c, acc_t olp, acc_t p, acc_t dtok, acc_t& lo,
-                           acc_t& up) {
-  if (L.clip_kind == kClipBand) {
-    band_element<acc_t, PER_TOKEN>(L.band, c, olp, dtok, lo, up);
+BANDPO_HD void clip_bounds(const LossParams& params, const DeltaConsts<acc_t>& c, acc_t olp, acc_t p, acc_t dtok,
+                           acc_t& lo, acc_t& up) {
+  if (params.clip_kind == kClipBand) {
+    band_element<acc_t, PER_TOKEN>(params.band, c, olp, dtok, lo, up);
     return;
   }
-  if (L.clip_kind == kClipFixed) {
-    lo = acc_t(1) - acc_t(L.eps_low);
-    up = acc_t(1) + acc_t(L.eps_high);
+  if (params.clip_kind == kClipFixed) {
+    lo = acc_t(1) - acc_t(params.eps_low);
+    up = acc_t(1) + acc_t(params.eps_high);
   } else {  // kClipDcpo (make_loss_params refuses any other id): DCPO's dynamic bounds
-    const acc_t a = acc_t(1) - acc_t(4) * acc_t(L.eps_low) / p;
+    const acc_t a = acc_t(1) - acc_t(4) * acc_t(params.eps_low) / p;
     lo = acc_t(0.5) + acc_t(0.5) * sqrt(a > acc_t(0) ? a : acc_t(0));
-    up = acc_t(0.5) + acc_t(0.5) * sqrt(acc_t(1) + acc_t(4) * acc_t(L.eps_high) / p);
+    up = acc_t(0.5) + acc_t(0.5) * sqrt(acc_t(1) + acc_t(4) * acc_t(params.eps_high) / p);
   }
-  const acc_t cap = acc_t(L.band.max_ratio);
+  const acc_t cap = acc_t(params.band.max_ratio);
   up = up > cap ? cap : up;
 }
 
 // Everything about one token with weight w != 0 and bounds (lo, up) already known.
 template <typename acc_t>
-BANDPO_HD void token_terms(const LossParams& L, acc_t lp, acc_t olp, acc_t adv, acc_t w, acc_t p, acc_t lo, acc_t up,
-                           TokenTerms<acc_t>& o) {
+BANDPO_HD void token_terms(const LossParams& params, acc_t lp, acc_t olp, acc_t adv, acc_t w, acc_t p, acc_t lo,
+                           acc_t up, TokenTerms<acc_t>& o) {
   const acc_t raw = lp - olp;
   const acc_t clampv = acc_t(kLogRatioClamp);
   const acc_t d = raw < -clampv ? -clampv : (raw > clampv ? clampv : raw);
@@ -154,12 +164,12 @@ BANDPO_HD void token_terms(const LossParams& L, acc_t lp, acc_t olp, acc_t adv, 
   // Bitwise & and | throughout: no short-circuit branches, so that the CPU loops vectorise.
   o.clipped_upper = pos & (r > up);
   o.clipped_lower = neg & (r < lo);
-  const bool has_dual = L.dual_clip > 0.0;
-  const acc_t cdual = acc_t(L.dual_clip);
+  const bool has_dual = params.dual_clip > 0.0;
+  const acc_t cdual = acc_t(params.dual_clip);
   o.dual_clipped = has_dual & neg & (r > cdual);
   const acc_t surrogate = -adv * r;
   acc_t per = surrogate;
-  const bool clip_mode = L.mode == kModeClip;  // selects, not an if-block: the CPU loops vectorise
+  const bool clip_mode = params.mode == kModeClip;  // selects, not an if-block: the CPU loops vectorise
   per = (clip_mode & o.clipped_lower) ? -adv * lo : per;
   per = (clip_mode & o.clipped_upper) ? -adv * up : per;
   per = (clip_mode & o.dual_clipped) ? -adv * cdual : per;
@@ -230,47 +240,47 @@ struct LossTotals {
   double counts[kNumCounts];
 };
 
-BANDPO_HD void add_row(LossTotals& T, double s_b, double w_b) {
-  T.s += s_b;
-  T.w += w_b;
-  T.row_mean += (w_b != 0.0) ? s_b / w_b : 0.0;
-  T.n_rows += (w_b > 0.0) ? 1.0 : 0.0;
+BANDPO_HD void add_row(LossTotals& totals, double s_b, double w_b) {
+  totals.s += s_b;
+  totals.w += w_b;
+  totals.row_mean += (w_b != 0.0) ? s_b / w_b : 0.0;
+  totals.n_rows += (w_b > 0.0) ? 1.0 : 0.0;
 }
 
 // The aggregated loss (as loss_spec specifies: 0, never NaN, for an empty mask).
-BANDPO_HD double aggregate_loss(int agg, const LossTotals& T) {
+BANDPO_HD double aggregate_loss(int agg, const LossTotals& totals) {
   switch (agg) {
     case kAggTokenMean:
-      return T.w != 0.0 ? T.s / T.w : 0.0;
+      return totals.w != 0.0 ? totals.s / totals.w : 0.0;
     case kAggTokenSum:
-      return T.s;
+      return totals.s;
     case kAggSeqMeanTokenMean:
-      return T.n_rows != 0.0 ? T.row_mean / T.n_rows : 0.0;
+      return totals.n_rows != 0.0 ? totals.row_mean / totals.n_rows : 0.0;
     default:
-      return T.n_rows != 0.0 ? T.s / T.n_rows : 0.0;  // kAggSeqMeanTokenSum (ids checked on the host)
+      return totals.n_rows != 0.0 ? totals.s / totals.n_rows : 0.0;  // kAggSeqMeanTokenSum (ids checked on the host)
   }
 }
 
 // ∂loss/∂S_b: the backward multiplies each token's w·∂loss_t/∂log_prob_t by it.
-BANDPO_HD double row_scale(int agg, const LossTotals& T, double w_b) {
+BANDPO_HD double row_scale(int agg, const LossTotals& totals, double w_b) {
   switch (agg) {
     case kAggTokenMean:
-      return T.w != 0.0 ? 1.0 / T.w : 0.0;
+      return totals.w != 0.0 ? 1.0 / totals.w : 0.0;
     case kAggTokenSum:
       return 1.0;
     case kAggSeqMeanTokenMean:
-      return (w_b != 0.0 && T.n_rows != 0.0) ? 1.0 / (w_b * T.n_rows) : 0.0;
+      return (w_b != 0.0 && totals.n_rows != 0.0) ? 1.0 / (w_b * totals.n_rows) : 0.0;
     default:
-      return T.n_rows != 0.0 ? 1.0 / T.n_rows : 0.0;
+      return totals.n_rows != 0.0 ? 1.0 / totals.n_rows : 0.0;
   }
 }
 
 // The metric vector: the counts rounded to out_t, then each fraction as the quotient of two rounded counts
 // in out_t's arithmetic (what dividing the 0-dim count tensors gives).
 template <typename out_t>
-BANDPO_HD void write_metrics(const LossTotals& T, out_t* metrics) {
+BANDPO_HD void write_metrics(const LossTotals& totals, out_t* metrics) {
   using op_t = decltype(out_t(0) + 0.0f);  // float for half types
-  for (int k = 0; k < kNumCounts; ++k) metrics[k] = static_cast<out_t>(T.counts[k]);
+  for (int k = 0; k < kNumCounts; ++k) metrics[k] = static_cast<out_t>(totals.counts[k]);
   for (int f = 0; f < kNumFractions; ++f) {
     const FractionDef d = fraction_def(f);
     const op_t num = static_cast<op_t>(metrics[d.num]), den = static_cast<op_t>(metrics[d.den]);

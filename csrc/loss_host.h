@@ -27,54 +27,71 @@ inline LossTensors check_loss_inputs(const char* op, const at::Tensor& lp, const
     TORCH_CHECK(t->sizes() == lp.sizes() && t->scalar_type() == lp.scalar_type() && t->device() == lp.device(), op,
                 ": old_log_prob and advantages must match log_prob's shape, dtype and device");
   }
-  LossTensors T{lp.contiguous(), olp.contiguous(), adv.contiguous(), at::Tensor(), at::Tensor()};
+  LossTensors inputs{lp.contiguous(), olp.contiguous(), adv.contiguous(), at::Tensor(), at::Tensor()};
   if (mask.has_value()) {
     TORCH_CHECK(mask->sizes() == lp.sizes() && mask->device() == lp.device(), op,
                 ": mask must match log_prob's shape and device");
     const auto mt = mask->scalar_type();
     TORCH_CHECK(mt == at::kBool || mt == at::kByte || mt == lp.scalar_type(), op,
                 ": mask must be bool, uint8 (a bool mask's bytes) or log_prob's dtype, got ", mt);
-    T.mask = mt == at::kBool ? mask->contiguous().view(at::kByte) : mask->contiguous();
+    inputs.mask = mt == at::kBool ? mask->contiguous().view(at::kByte) : mask->contiguous();
   }
   if (is_host_scalar_delta(delta)) {
-    T.host_delta = delta;
+    inputs.host_delta = delta;
   } else if (delta.has_value()) {
     TORCH_CHECK(delta->scalar_type() == lp.scalar_type() && delta->device() == lp.device(), op,
                 ": a delta tensor must have log_prob's dtype and device");
     const auto shape = at::infer_size(delta->sizes(), lp.sizes());  // throws for non-broadcastable shapes
     TORCH_CHECK(c10::IntArrayRef(shape) == lp.sizes(), op, ": delta of shape ", delta->sizes(),
                 " does not broadcast to log_prob's shape ", lp.sizes());
-    T.delta = delta->expand(lp.sizes()).contiguous();
+    inputs.delta = delta->expand(lp.sizes()).contiguous();
   }
-  return T;
+  return inputs;
+}
+
+// The kernels' view of the inputs from `row` on (the CPU loops take one row at a time, CUDA the whole batch).
+template <typename scalar_t>
+LossInputs<scalar_t> loss_inputs(const LossTensors& inputs, int64_t row) {
+  const int64_t offset = row * inputs.lp.size(1);
+  LossInputs<scalar_t> in{};
+  in.lp = inputs.lp.data_ptr<scalar_t>() + offset;
+  in.olp = inputs.olp.data_ptr<scalar_t>() + offset;
+  in.adv = inputs.adv.data_ptr<scalar_t>() + offset;
+  in.delta = inputs.delta.defined() ? inputs.delta.data_ptr<scalar_t>() + offset : nullptr;
+  if (inputs.mask.defined()) {
+    in.mask = static_cast<const char*>(inputs.mask.data_ptr()) + offset * inputs.mask.element_size();
+  }
+  return in;
 }
 
 inline LossParams make_loss_params(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
                                    int64_t clip_kind, double eps_low, double eps_high, double max_ratio,
                                    double dual_clip, int64_t mode, int64_t agg, double delta_scalar,
-                                   const LossTensors& T) {
+                                   const LossTensors& inputs) {
   TORCH_CHECK(clip_kind == kClipBand || clip_kind == kClipFixed || clip_kind == kClipDcpo,
               "policy_loss: unknown clip kind ", clip_kind);
   TORCH_CHECK(mode == kModeClip || mode == kModeMask, "policy_loss: unknown mode ", mode);
   TORCH_CHECK(agg == kAggTokenMean || agg == kAggTokenSum || agg == kAggSeqMeanTokenMean || agg == kAggSeqMeanTokenSum,
               "policy_loss: unknown aggregation ", agg);
   TORCH_CHECK(dual_clip == 0.0 || dual_clip > 1.0, "policy_loss: dual_clip must be > 1 (0 for none)");
-  check_prob_and_delta("policy_loss", T.olp, T.delta.defined() ? c10::optional<at::Tensor>(T.delta) : c10::nullopt,
-                       table, grid, divergence, max_ratio);
-  LossParams L{};
-  const DeltaArg d = resolve_delta(T.host_delta, delta_scalar, grid);
+  check_prob_and_delta("policy_loss", inputs.olp,
+                       inputs.delta.defined() ? c10::optional<at::Tensor>(inputs.delta) : c10::nullopt, table, grid,
+                       divergence, max_ratio);
+  LossParams params{};
+  const DeltaArg d = resolve_delta(inputs.host_delta, delta_scalar, grid);
   TORCH_CHECK(!d.all_nan, "policy_loss: delta is outside the table's range");
-  L.band = make_params(table, grid, divergence, /*log_input=*/true, d.scalar, max_ratio,  // holds the cap
-                       T.lp.scalar_type());
-  L.clip_kind = static_cast<int>(clip_kind);
-  L.eps_low = eps_low;
-  L.eps_high = eps_high;
-  L.dual_clip = dual_clip;
-  L.mode = static_cast<int>(mode);
-  L.agg = static_cast<int>(agg);
-  L.mask_kind = !T.mask.defined() ? kMaskNone : (T.mask.scalar_type() == at::kByte ? kMaskBytes : kMaskFloat);
-  L.per_token_delta = T.delta.defined();
-  return L;
+  params.band = make_params(table, grid, divergence, /*log_input=*/true, d.scalar, max_ratio,  // holds the cap
+                            inputs.lp.scalar_type());
+  params.clip_kind = static_cast<int>(clip_kind);
+  params.eps_low = eps_low;
+  params.eps_high = eps_high;
+  params.dual_clip = dual_clip;
+  params.mode = static_cast<int>(mode);
+  params.agg = static_cast<int>(agg);
+  params.mask_kind =
+      !inputs.mask.defined() ? kMaskNone : (inputs.mask.scalar_type() == at::kByte ? kMaskBytes : kMaskFloat);
+  params.per_token_delta = inputs.delta.defined();
+  return params;
 }
 
 // The forward's outputs: the loss (0-dim), the metric vector (kNumMetrics) in the inputs' dtype, and the

@@ -25,21 +25,21 @@
 namespace bandpo {
 
 // ---- scalar-δ cell cubics, computed once per (table, δ) and cached -------------------------------------
-std::shared_ptr<const CellPolys> cell_polys(const BandParams& P) {
+std::shared_ptr<const CellPolys> cell_polys(const BandParams& band) {
   static std::mutex mu;
   static std::unordered_map<std::string, std::shared_ptr<const CellPolys>> cache;
   std::string key(sizeof(void*) + sizeof(double), '\0');
-  std::memcpy(&key[0], &P.table.coef, sizeof(void*));
-  std::memcpy(&key[sizeof(void*)], &P.delta, sizeof(double));
+  std::memcpy(&key[0], &band.table.coef, sizeof(void*));
+  std::memcpy(&key[sizeof(void*)], &band.delta, sizeof(double));
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   auto polys = std::make_shared<CellPolys>();
-  const int cells = P.table.nt - 1;
+  const int cells = band.table.nt - 1;
   polys->d.resize(8 * static_cast<size_t>(cells));
   polys->f.resize(polys->d.size());
   for (int k = 0; k < cells; ++k) {
-    collapse_cell(P.table, k, P.delta_js, P.delta_ws, &polys->d[8 * static_cast<size_t>(k)]);
+    collapse_cell(band.table, k, band.delta_js, band.delta_ws, &polys->d[8 * static_cast<size_t>(k)]);
   }
   for (size_t i = 0; i < polys->d.size(); ++i) polys->f[i] = static_cast<float>(polys->d[i]);
   if (cache.size() >= 256) cache.clear();  // tables are few and δ rarely changes; bound the memory anyway
@@ -57,47 +57,47 @@ std::shared_ptr<const CellPolys> cell_polys(const BandParams& P) {
 namespace {
 
 template <bool CLIP>
-BANDPO_INLINE void store(const FastRun& a, int64_t i, float l, float u, float cap) {
+BANDPO_INLINE void store(const FastRun& run, int64_t i, float l, float u, float cap) {
   u = u > cap ? cap : u;
   if (CLIP) {
-    a.out[i] = clamp_like_torch<float>(a.ratio[i], l, u);
+    run.out[i] = clamp_like_torch<float>(run.ratio[i], l, u);
   } else {
-    a.lo[i] = l;
-    a.up[i] = u;
+    run.lo[i] = l;
+    run.up[i] = u;
   }
 }
 
 // Pass 3 of a per-token-δ block; TAILS: whether the block has elements beyond the grid in t. dd: the block's
 // δ moved onto the table's range, ok: whether the δ given was in range.
 template <bool CLIP, bool TAILS>
-BANDPO_INLINE void kl_finish_token_block(const FastRun& a, int64_t start, int m, const float* p,
+BANDPO_INLINE void kl_finish_token_block(const FastRun& run, int64_t start, int m, const float* p,
                                          const float* one_minus_p, const float* t, const float* q, const float* kap,
                                          const float* dd, const int* ok, float cap) {
-  const TableView tb = a.P->table;
+  const TableView tb = run.band->table;
   const float nan = bits_to_float(0x7fc00000);
   for (int i = 0; i < m; ++i) {
     const float d = dd[i];
     const DeltaConsts<float> c = TAILS ? delta_consts<float>(d) : DeltaConsts<float>{d, 1.0f, 0.0f, 0.0f};
     float l, u;
     kl_finish<float>(p[i], one_minus_p[i], t[i], q[i], kap[i], c, tb, l, u);
-    store<CLIP>(a, start + i, ok[i] ? l : nan, ok[i] ? u : nan, cap);
+    store<CLIP>(run, start + i, ok[i] ? l : nan, ok[i] ? u : nan, cap);
   }
 }
 
 template <bool LOG, bool CLIP, bool TOKEN>
-BANDPO_INLINE void kl_f32_run(const FastRun& a) {
-  const BandParams& P = *a.P;
-  const float cap = static_cast<float>(P.max_ratio);
-  const TableView tb = P.table;
-  const DeltaConsts<float> c0 = *a.c;
-  const float* __restrict cells = P.cell_f;
-  const float* __restrict x = a.x;
-  const float* __restrict dl = a.delta;
+BANDPO_INLINE void kl_f32_run(const FastRun& run) {
+  const BandParams& band = *run.band;
+  const float cap = static_cast<float>(band.max_ratio);
+  const TableView tb = band.table;
+  const DeltaConsts<float> c0 = *run.c;
+  const float* __restrict cells = band.cell_f;
+  const float* __restrict x = run.x;
+  const float* __restrict dl = run.delta;
   alignas(64) float p[kBlock], one_minus_p[kBlock], t[kBlock], q[kBlock], kap[kBlock], ut[kBlock], us[kBlock];
   alignas(64) float dd[kBlock];
   alignas(64) int it[kBlock], js[kBlock], ok[kBlock];
-  for (int64_t start = 0; start < a.n; start += kBlock) {
-    const int m = static_cast<int>(a.n - start < kBlock ? a.n - start : kBlock);
+  for (int64_t start = 0; start < run.n; start += kBlock) {
+    const int m = static_cast<int>(run.n - start < kBlock ? run.n - start : kBlock);
     for (int i = 0; i < m; ++i) prob_terms_t<LOG, float>(x[start + i], p[i], one_minus_p[i], t[i]);
     // Cell indices in a vector pass of their own: fused with the gathers below, the loop runs 10x slower.
     for (int i = 0; i < m; ++i) it[i] = axis_cell<float>(t[i], tb.t_min, tb.t_step, tb.nt, ut[i]);
@@ -118,29 +118,29 @@ BANDPO_INLINE void kl_f32_run(const FastRun& a) {
       int any_tail = 0;
       for (int i = 0; i < m; ++i) any_tail |= int(!((t[i] >= tmin) & (t[i] <= tmax)));
       if (any_tail) {
-        kl_finish_token_block<CLIP, true>(a, start, m, p, one_minus_p, t, q, kap, dd, ok, cap);
+        kl_finish_token_block<CLIP, true>(run, start, m, p, one_minus_p, t, q, kap, dd, ok, cap);
       } else {
-        kl_finish_token_block<CLIP, false>(a, start, m, p, one_minus_p, t, q, kap, dd, ok, cap);
+        kl_finish_token_block<CLIP, false>(run, start, m, p, one_minus_p, t, q, kap, dd, ok, cap);
       }
     } else {
       for (int i = 0; i < m; ++i) {
         float l, u;
         kl_finish<float>(p[i], one_minus_p[i], t[i], q[i], kap[i], c0, tb, l, u);
-        store<CLIP>(a, start + i, l, u, cap);
+        store<CLIP>(run, start + i, l, u, cap);
       }
     }
   }
 }
 
 template <int DIV, bool LOG, bool CLIP, bool TOKEN>
-BANDPO_INLINE void closed_f32_run(const FastRun& a) {
-  const BandParams& P = *a.P;
-  const float cap = static_cast<float>(P.max_ratio);
-  const TableView tb = P.table;
-  const double d0 = P.delta;
-  const float* __restrict x = a.x;
-  const float* __restrict dl = a.delta;
-  for (int64_t i = 0; i < a.n; ++i) {
+BANDPO_INLINE void closed_f32_run(const FastRun& run) {
+  const BandParams& band = *run.band;
+  const float cap = static_cast<float>(band.max_ratio);
+  const TableView tb = band.table;
+  const double d0 = band.delta;
+  const float* __restrict x = run.x;
+  const float* __restrict dl = run.delta;
+  for (int64_t i = 0; i < run.n; ++i) {
     double p, one_minus_p, t, l, u;
     prob_terms_t<LOG, double>(static_cast<double>(x[i]), p, one_minus_p, t);
     const double d = TOKEN ? delta_in_range<double>(tb, static_cast<double>(dl[i])) : d0;
@@ -150,24 +150,24 @@ BANDPO_INLINE void closed_f32_run(const FastRun& a) {
       l = ok ? l : std::numeric_limits<double>::quiet_NaN();
       u = ok ? u : std::numeric_limits<double>::quiet_NaN();
     }
-    store<CLIP>(a, i, static_cast<float>(l), static_cast<float>(u), cap);
+    store<CLIP>(run, i, static_cast<float>(l), static_cast<float>(u), cap);
   }
 }
 
 template <bool LOG, bool CLIP, bool TOKEN>
-BANDPO_INLINE void f32_run_div(const FastRun& a) {
-  switch (static_cast<Divergence>(a.P->divergence)) {  // exhaustive (-Werror=switch); ids checked on the host
+BANDPO_INLINE void f32_run_div(const FastRun& run) {
+  switch (static_cast<Divergence>(run.band->divergence)) {  // exhaustive (-Werror=switch); ids checked on the host
     case kKL:
-      kl_f32_run<LOG, CLIP, TOKEN>(a);
+      kl_f32_run<LOG, CLIP, TOKEN>(run);
       break;
     case kTV:
-      closed_f32_run<kTV, LOG, CLIP, TOKEN>(a);
+      closed_f32_run<kTV, LOG, CLIP, TOKEN>(run);
       break;
     case kChi2:
-      closed_f32_run<kChi2, LOG, CLIP, TOKEN>(a);
+      closed_f32_run<kChi2, LOG, CLIP, TOKEN>(run);
       break;
     case kHellinger:
-      closed_f32_run<kHellinger, LOG, CLIP, TOKEN>(a);
+      closed_f32_run<kHellinger, LOG, CLIP, TOKEN>(run);
       break;
   }
 }
@@ -175,32 +175,32 @@ BANDPO_INLINE void f32_run_div(const FastRun& a) {
 }  // namespace
 
 // One multi-versioned entry point; the flags pick a fully specialised, inlined loop.
-BANDPO_CPU_CLONES void f32_contiguous(const FastRun& a, bool log_input, bool clip, bool token) {
+BANDPO_CPU_CLONES void f32_contiguous(const FastRun& run, bool log_input, bool clip, bool token) {
   const int combo = (log_input ? 4 : 0) | (clip ? 2 : 0) | (token ? 1 : 0);
   switch (combo) {
     case 0:
-      f32_run_div<false, false, false>(a);
+      f32_run_div<false, false, false>(run);
       break;
     case 1:
-      f32_run_div<false, false, true>(a);
+      f32_run_div<false, false, true>(run);
       break;
     case 2:
-      f32_run_div<false, true, false>(a);
+      f32_run_div<false, true, false>(run);
       break;
     case 3:
-      f32_run_div<false, true, true>(a);
+      f32_run_div<false, true, true>(run);
       break;
     case 4:
-      f32_run_div<true, false, false>(a);
+      f32_run_div<true, false, false>(run);
       break;
     case 5:
-      f32_run_div<true, false, true>(a);
+      f32_run_div<true, false, true>(run);
       break;
     case 6:
-      f32_run_div<true, true, false>(a);
+      f32_run_div<true, true, false>(run);
       break;
     default:
-      f32_run_div<true, true, true>(a);
+      f32_run_div<true, true, true>(run);
       break;
   }
 }
@@ -225,7 +225,7 @@ BANDPO_INLINE void store_from_float(char* base, int64_t stride, int64_t i, float
 }
 
 template <typename scalar_t, bool CLIP>
-void run_f32_blocks(char** data, const int64_t* strides, int64_t n, const BandParams& P, const DeltaConsts<float>& c,
+void run_f32_blocks(char** data, const int64_t* strides, int64_t n, const BandParams& band, const DeltaConsts<float>& c,
                     bool per_token) {
   const int in0 = CLIP ? 1 : 2;         // first input operand
   const int ip = CLIP ? in0 + 1 : in0;  // the probability
@@ -239,16 +239,16 @@ void run_f32_blocks(char** data, const int64_t* strides, int64_t n, const BandPa
     if (CLIP) {
       for (int i = 0; i < m; ++i) r[i] = load_as_float<scalar_t>(data[in0], strides[in0], start + i);
     }
-    const FastRun a{&P,
-                    &c,
-                    x,
-                    per_token ? d : nullptr,
-                    CLIP ? r : nullptr,
-                    CLIP ? nullptr : o0,
-                    CLIP ? nullptr : o1,
-                    CLIP ? o0 : nullptr,
-                    m};
-    f32_contiguous(a, P.log_input, CLIP, per_token);
+    const FastRun run{&band,
+                      &c,
+                      x,
+                      per_token ? d : nullptr,
+                      CLIP ? r : nullptr,
+                      CLIP ? nullptr : o0,
+                      CLIP ? nullptr : o1,
+                      CLIP ? o0 : nullptr,
+                      m};
+    f32_contiguous(run, band.log_input, CLIP, per_token);
     for (int i = 0; i < m; ++i) store_from_float<scalar_t>(data[0], strides[0], start + i, o0[i]);
     if (!CLIP) {
       for (int i = 0; i < m; ++i) store_from_float<scalar_t>(data[1], strides[1], start + i, o1[i]);
@@ -257,9 +257,9 @@ void run_f32_blocks(char** data, const int64_t* strides, int64_t n, const BandPa
 }
 
 template <typename scalar_t, bool CLIP>
-void run_band(at::TensorIterator& iter, const BandParams& P, bool per_token) {
+void run_band(at::TensorIterator& iter, const BandParams& band, bool per_token) {
   using acc_t = at::opmath_type<scalar_t>;
-  const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(P.delta));
+  const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(band.delta));
   const int n_out = CLIP ? 1 : 2;
   iter.for_each([&](char** data, const int64_t* strides, int64_t n) {
     const int in0 = n_out;  // first input operand
@@ -268,18 +268,18 @@ void run_band(at::TensorIterator& iter, const BandParams& P, bool per_token) {
       bool contiguous = std::is_same<scalar_t, float>::value;
       for (int k = 0; k < iter.ntensors(); ++k) contiguous = contiguous && strides[k] == sizeof(scalar_t);
       if (contiguous) {
-        const FastRun a{&P,
-                        &c,
-                        reinterpret_cast<const float*>(data[ip]),
-                        per_token ? reinterpret_cast<const float*>(data[ip + 1]) : nullptr,
-                        CLIP ? reinterpret_cast<const float*>(data[in0]) : nullptr,
-                        CLIP ? nullptr : reinterpret_cast<float*>(data[0]),
-                        CLIP ? nullptr : reinterpret_cast<float*>(data[1]),
-                        CLIP ? reinterpret_cast<float*>(data[0]) : nullptr,
-                        n};
-        f32_contiguous(a, P.log_input, CLIP, per_token);
+        const FastRun run{&band,
+                          &c,
+                          reinterpret_cast<const float*>(data[ip]),
+                          per_token ? reinterpret_cast<const float*>(data[ip + 1]) : nullptr,
+                          CLIP ? reinterpret_cast<const float*>(data[in0]) : nullptr,
+                          CLIP ? nullptr : reinterpret_cast<float*>(data[0]),
+                          CLIP ? nullptr : reinterpret_cast<float*>(data[1]),
+                          CLIP ? reinterpret_cast<float*>(data[0]) : nullptr,
+                          n};
+        f32_contiguous(run, band.log_input, CLIP, per_token);
       } else {
-        run_f32_blocks<scalar_t, CLIP>(data, strides, n, P, c, per_token);
+        run_f32_blocks<scalar_t, CLIP>(data, strides, n, band, c, per_token);
       }
       return;
     }
@@ -290,9 +290,9 @@ void run_band(at::TensorIterator& iter, const BandParams& P, bool per_token) {
                           : c.delta;
       acc_t l, u;
       if (per_token) {
-        band_element<acc_t, true>(P, c, x, d, l, u);
+        band_element<acc_t, true>(band, c, x, d, l, u);
       } else {
-        band_element<acc_t, false>(P, c, x, d, l, u);
+        band_element<acc_t, false>(band, c, x, d, l, u);
       }
       if (CLIP) {
         const acc_t r = static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(data[in0] + i * strides[in0]));
@@ -309,13 +309,13 @@ void run_band(at::TensorIterator& iter, const BandParams& P, bool per_token) {
 BandParams params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence, bool log_input,
                              const DeltaArg& delta, double max_ratio, at::ScalarType dtype,
                              std::shared_ptr<const CellPolys>& keep) {
-  BandParams P = make_params(table, grid, divergence, log_input, delta.scalar, max_ratio, dtype);
+  BandParams band = make_params(table, grid, divergence, log_input, delta.scalar, max_ratio, dtype);
   if (divergence == kKL && !delta.per_token_mode()) {
-    keep = cell_polys(P);
-    P.cell_f = keep->f.data();
-    P.cell_d = keep->d.data();
+    keep = cell_polys(band);
+    band.cell_f = keep->f.data();
+    band.cell_d = keep->d.data();
   }
-  return P;
+  return band;
 }
 
 std::tuple<at::Tensor, at::Tensor> bounds_cpu(const at::Tensor& prob, const c10::optional<at::Tensor>& delta,
@@ -324,14 +324,14 @@ std::tuple<at::Tensor, at::Tensor> bounds_cpu(const at::Tensor& prob, const c10:
   BandIter it = make_band_iter("bounds", nullptr, prob, delta, table, grid, divergence, max_ratio);
   const DeltaArg d = resolve_delta(delta, delta_scalar, grid);
   std::shared_ptr<const CellPolys> keep;
-  const BandParams P = params_with_cells(table, grid, divergence, log_input, d, max_ratio, prob.scalar_type(), keep);
+  const BandParams band = params_with_cells(table, grid, divergence, log_input, d, max_ratio, prob.scalar_type(), keep);
   if (d.all_nan) {
     it.lo.fill_(std::numeric_limits<double>::quiet_NaN());
     it.up.fill_(std::numeric_limits<double>::quiet_NaN());
     return {it.lo, it.up};
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::bounds",
-                                  [&] { run_band<scalar_t, false>(it.iter, P, d.per_token_mode()); });
+                                  [&] { run_band<scalar_t, false>(it.iter, band, d.per_token_mode()); });
   return {it.lo, it.up};
 }
 
@@ -341,14 +341,14 @@ at::Tensor clip_cpu(const at::Tensor& ratio, const at::Tensor& prob, const c10::
   BandIter it = make_band_iter("clip", &ratio, prob, delta, table, grid, divergence, max_ratio);
   const DeltaArg d = resolve_delta(delta, delta_scalar, grid);
   std::shared_ptr<const CellPolys> keep;
-  const BandParams P = params_with_cells(table, grid, divergence, log_input, d, max_ratio, prob.scalar_type(), keep);
+  const BandParams band = params_with_cells(table, grid, divergence, log_input, d, max_ratio, prob.scalar_type(), keep);
   if (d.all_nan) {
     // clamp with NaN bounds is NaN (torch.clamp's rule), whatever the ratio
     it.out.fill_(std::numeric_limits<double>::quiet_NaN());
     return it.out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::clip",
-                                  [&] { run_band<scalar_t, true>(it.iter, P, d.per_token_mode()); });
+                                  [&] { run_band<scalar_t, true>(it.iter, band, d.per_token_mode()); });
   return it.out;
 }
 

@@ -25,11 +25,11 @@ struct CellPolys {
   std::vector<float> f;
   std::vector<double> d;
 };
-std::shared_ptr<const CellPolys> cell_polys(const BandParams& P);
+std::shared_ptr<const CellPolys> cell_polys(const BandParams& band);
 
 // A contiguous float32 run for the vectorised loops: bounds (lo/up) or clip (out) of n elements.
 struct FastRun {
-  const BandParams* P;
+  const BandParams* band;
   const DeltaConsts<float>* c;
   const float* x;      // p or log p
   const float* delta;  // per-token δ, or null
@@ -44,6 +44,6 @@ struct FastRun {
 constexpr int kBlock = 256;
 
 // Any divergence, either δ mode, from p or log p; multi-versioned (AVX2+FMA / baseline).
-void f32_contiguous(const FastRun& a, bool log_input, bool clip, bool token);
+void f32_contiguous(const FastRun& run, bool log_input, bool clip, bool token);
 
 }  // namespace bandpo

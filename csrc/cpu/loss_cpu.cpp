@@ -24,33 +24,24 @@ namespace {
 
 constexpr int64_t kRowsPerChunk = 8;  // the fixed partition of rows whose partial counts are summed in order
 
-template <typename scalar_t>
-struct RowInputs {
-  const scalar_t* lp;
-  const scalar_t* olp;
-  const scalar_t* adv;
-  const scalar_t* delta;  // per-token δ or null
-  const void* mask;       // the row's mask (L.mask_kind says how to read it) or null
-};
-
 // A token's weight (the generic loops; the float32 loops take the mask kind as a template argument).
 template <typename scalar_t, typename acc_t>
-inline acc_t weight(const LossParams& L, const RowInputs<scalar_t>& in, int64_t i) {
-  return mask_weight_any<scalar_t, acc_t>(L.mask_kind, in.mask, i);
+inline acc_t weight(const LossParams& params, const LossInputs<scalar_t>& in, int64_t i) {
+  return mask_weight_any<scalar_t, acc_t>(params.mask_kind, in.mask, i);
 }
 
 // Bounds of tokens [i0, i0 + m) of a row into lo/up (the generic loops; float32 rows take row_f32).
 template <typename scalar_t, typename acc_t>
-void block_bounds(const LossParams& L, const DeltaConsts<acc_t>& c, const RowInputs<scalar_t>& in, int64_t i0, int m,
-                  acc_t* lo, acc_t* up) {
+void block_bounds(const LossParams& params, const DeltaConsts<acc_t>& c, const LossInputs<scalar_t>& in, int64_t i0,
+                  int m, acc_t* lo, acc_t* up) {
   for (int i = 0; i < m; ++i) {
     const acc_t olp = static_cast<acc_t>(in.olp[i0 + i]);
     const acc_t d = in.delta ? static_cast<acc_t>(in.delta[i0 + i]) : c.delta;
     const acc_t p = exp_any(olp);
-    if (L.per_token_delta) {
-      clip_bounds<acc_t, true>(L, c, olp, p, d, lo[i], up[i]);
+    if (params.per_token_delta) {
+      clip_bounds<acc_t, true>(params, c, olp, p, d, lo[i], up[i]);
     } else {
-      clip_bounds<acc_t, false>(L, c, olp, p, d, lo[i], up[i]);
+      clip_bounds<acc_t, false>(params, c, olp, p, d, lo[i], up[i]);
     }
   }
 }
@@ -59,19 +50,19 @@ void block_bounds(const LossParams& L, const DeltaConsts<acc_t>& c, const RowInp
 constexpr int kSums = kNumCounts + 2;  // the 20 counts, then Σ w·loss and Σ w
 
 // Bounds of a block for the baselines (band bounds come from the vectorised band loop); clip_bounds caps.
-BANDPO_INLINE void baseline_bounds_f32(const LossParams& L, const float* __restrict olp, int m, float* __restrict lo,
-                                       float* __restrict up) {
+BANDPO_INLINE void baseline_bounds_f32(const LossParams& params, const float* __restrict olp, int m,
+                                       float* __restrict lo, float* __restrict up) {
   const DeltaConsts<float> unused{};
   for (int i = 0; i < m; ++i) {
     const float p = exp_f32(olp[i]);
-    clip_bounds<float, false>(L, unused, olp[i], p, 0.0f, lo[i], up[i]);
+    clip_bounds<float, false>(params, unused, olp[i], p, 0.0f, lo[i], up[i]);
   }
 }
 
 // Per-token terms of a block: the gradient factor into grad[] and, if sums is given, every token's
 // contribution to the kSums accumulators into sums[k][i] (ignored tokens: exactly 0, whatever their inputs).
 template <int MASK, bool SUMS>
-BANDPO_INLINE void token_block_f32(const LossParams& L, const float* __restrict lp, const float* __restrict olp,
+BANDPO_INLINE void token_block_f32(const LossParams& params, const float* __restrict lp, const float* __restrict olp,
                                    const float* __restrict adv, const void* __restrict mask, const float* __restrict lo,
                                    const float* __restrict up, int m, float* __restrict grad,
                                    float (*__restrict sums)[kBlock]) {
@@ -82,7 +73,7 @@ BANDPO_INLINE void token_block_f32(const LossParams& L, const float* __restrict 
     TokenTerms<float> o;
     // p_old only feeds the counts (buckets, low-probability); the backward does not need it.
     const float p = SUMS ? exp_f32_normal(olp[i]) : 0.5f;
-    token_terms<float>(L, lp[i], olp[i], adv[i], w, p, lo[i], up[i], o);
+    token_terms<float>(params, lp[i], olp[i], adv[i], w, p, lo[i], up[i], o);
     grad[i] = skip ? 0.0f : o.grad;
     if (SUMS) {
       count_terms<float>(o, w, &sums[0][i], kBlock);  // w == 0 gives 0 in every count
@@ -109,23 +100,23 @@ BANDPO_INLINE void reduce_block(const float (*__restrict sums)[kBlock], double* 
 }
 
 template <int MASK, bool FWD>
-BANDPO_INLINE void row_f32_impl(const LossParams& L, const RowInputs<float>& in, int64_t n, double* totals, float g,
-                                float* grad_row) {
+BANDPO_INLINE void row_f32_impl(const LossParams& params, const LossInputs<float>& in, int64_t n, double* totals,
+                                float g, float* grad_row) {
   alignas(64) float lo[kBlock], up[kBlock], grad[kBlock];
   alignas(64) float sums[FWD ? kSums : 1][kBlock];
-  const DeltaConsts<float> c = delta_consts<float>(static_cast<float>(L.band.delta));
+  const DeltaConsts<float> c = delta_consts<float>(static_cast<float>(params.band.delta));
   for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
     const int m = static_cast<int>(n - i0 < kBlock ? n - i0 : kBlock);
-    if (L.clip_kind == kClipBand) {
-      FastRun a{&L.band, &c, in.olp + i0, in.delta ? in.delta + i0 : nullptr, nullptr, lo, up, nullptr, m};
-      f32_contiguous(a, /*log_input=*/true, /*clip=*/false, L.per_token_delta);
+    if (params.clip_kind == kClipBand) {
+      FastRun run{&params.band, &c, in.olp + i0, in.delta ? in.delta + i0 : nullptr, nullptr, lo, up, nullptr, m};
+      f32_contiguous(run, /*log_input=*/true, /*clip=*/false, params.per_token_delta);
     } else {
-      baseline_bounds_f32(L, in.olp + i0, m, lo, up);
+      baseline_bounds_f32(params, in.olp + i0, m, lo, up);
     }
     const void* mask = MASK == kMaskBytes   ? static_cast<const void*>(static_cast<const uint8_t*>(in.mask) + i0)
                        : MASK == kMaskFloat ? static_cast<const void*>(static_cast<const float*>(in.mask) + i0)
                                             : nullptr;
-    token_block_f32<MASK, FWD>(L, in.lp + i0, in.olp + i0, in.adv + i0, mask, lo, up, m, grad, sums);
+    token_block_f32<MASK, FWD>(params, in.lp + i0, in.olp + i0, in.adv + i0, mask, lo, up, m, grad, sums);
     if (FWD) {
       reduce_block(sums, totals);
     } else {
@@ -135,81 +126,67 @@ BANDPO_INLINE void row_f32_impl(const LossParams& L, const RowInputs<float>& in,
 }
 
 // One row, forward (totals[kSums] += its sums) or backward (grad_row = g · ∂(Σ w·loss)/∂log_prob).
-BANDPO_CPU_CLONES void row_f32(const LossParams& L, const RowInputs<float>& in, int64_t n, double* totals, float g,
-                               float* grad_row, bool forward) {
-  const int mk = L.mask_kind;
+BANDPO_CPU_CLONES void row_f32(const LossParams& params, const LossInputs<float>& in, int64_t n, double* totals,
+                               float g, float* grad_row, bool forward) {
+  const int mk = params.mask_kind;
   if (forward) {
     if (mk == kMaskBytes)
-      row_f32_impl<kMaskBytes, true>(L, in, n, totals, g, grad_row);
+      row_f32_impl<kMaskBytes, true>(params, in, n, totals, g, grad_row);
     else if (mk == kMaskFloat)
-      row_f32_impl<kMaskFloat, true>(L, in, n, totals, g, grad_row);
+      row_f32_impl<kMaskFloat, true>(params, in, n, totals, g, grad_row);
     else
-      row_f32_impl<kMaskNone, true>(L, in, n, totals, g, grad_row);
+      row_f32_impl<kMaskNone, true>(params, in, n, totals, g, grad_row);
   } else {
     if (mk == kMaskBytes)
-      row_f32_impl<kMaskBytes, false>(L, in, n, totals, g, grad_row);
+      row_f32_impl<kMaskBytes, false>(params, in, n, totals, g, grad_row);
     else if (mk == kMaskFloat)
-      row_f32_impl<kMaskFloat, false>(L, in, n, totals, g, grad_row);
+      row_f32_impl<kMaskFloat, false>(params, in, n, totals, g, grad_row);
     else
-      row_f32_impl<kMaskNone, false>(L, in, n, totals, g, grad_row);
+      row_f32_impl<kMaskNone, false>(params, in, n, totals, g, grad_row);
   }
 }
 
 // The float32 rows take row_f32; other dtypes the generic per-element loops (returns false).
 template <typename scalar_t>
-inline bool fast_row(const LossParams&, const RowInputs<scalar_t>&, int64_t, double*, float, scalar_t*, bool) {
+inline bool fast_row(const LossParams&, const LossInputs<scalar_t>&, int64_t, double*, float, scalar_t*, bool) {
   return false;
 }
 template <>
-inline bool fast_row<float>(const LossParams& L, const RowInputs<float>& in, int64_t n, double* totals, float g,
+inline bool fast_row<float>(const LossParams& params, const LossInputs<float>& in, int64_t n, double* totals, float g,
                             float* grad_row, bool forward) {
-  row_f32(L, in, n, totals, g, grad_row, forward);
+  row_f32(params, in, n, totals, g, grad_row, forward);
   return true;
-}
-
-template <typename scalar_t>
-RowInputs<scalar_t> row_inputs(const LossTensors& T, int64_t b) {
-  const int64_t n = T.lp.size(1);
-  RowInputs<scalar_t> in{};
-  in.lp = T.lp.data_ptr<scalar_t>() + b * n;
-  in.olp = T.olp.data_ptr<scalar_t>() + b * n;
-  in.adv = T.adv.data_ptr<scalar_t>() + b * n;
-  in.delta = T.delta.defined() ? T.delta.data_ptr<scalar_t>() + b * n : nullptr;
-  if (T.mask.defined()) {
-    in.mask = static_cast<const char*>(T.mask.data_ptr()) + b * n * T.mask.element_size();
-  }
-  return in;
 }
 
 // The loss parameters, with the scalar-δ KL cell cubics (kept alive by `keep`) when the band needs them.
 LossParams loss_params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
                                   int64_t clip_kind, double eps_low, double eps_high, double max_ratio,
                                   double dual_clip, int64_t mode, int64_t agg, double delta_scalar,
-                                  const LossTensors& T, std::shared_ptr<const CellPolys>& keep) {
-  LossParams L = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio, dual_clip, mode,
-                                  agg, delta_scalar, T);
-  if (L.clip_kind == kClipBand && L.band.divergence == kKL && !L.per_token_delta) {
-    keep = cell_polys(L.band);
-    L.band.cell_f = keep->f.data();
-    L.band.cell_d = keep->d.data();
+                                  const LossTensors& inputs, std::shared_ptr<const CellPolys>& keep) {
+  LossParams params = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio, dual_clip,
+                                       mode, agg, delta_scalar, inputs);
+  if (params.clip_kind == kClipBand && params.band.divergence == kKL && !params.per_token_delta) {
+    keep = cell_polys(params.band);
+    params.band.cell_f = keep->f.data();
+    params.band.cell_d = keep->d.data();
   }
-  return L;
+  return params;
 }
 
 // One row's Σ w·loss, Σ w and counts (totals[kSums], zeroed by the caller), the generic per-element loop.
 template <typename scalar_t, typename acc_t>
-void row_sums_generic(const LossParams& L, const DeltaConsts<acc_t>& c, const RowInputs<scalar_t>& in, int64_t n,
+void row_sums_generic(const LossParams& params, const DeltaConsts<acc_t>& c, const LossInputs<scalar_t>& in, int64_t n,
                       double* totals) {
   acc_t lo[kBlock], up[kBlock];
   for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
     const int m = static_cast<int>(n - i0 < kBlock ? n - i0 : kBlock);
-    block_bounds<scalar_t, acc_t>(L, c, in, i0, m, lo, up);
+    block_bounds<scalar_t, acc_t>(params, c, in, i0, m, lo, up);
     for (int i = 0; i < m; ++i) {
-      const acc_t w = weight<scalar_t, acc_t>(L, in, i0 + i);
+      const acc_t w = weight<scalar_t, acc_t>(params, in, i0 + i);
       if (w == acc_t(0)) continue;  // ignored tokens contribute nothing, whatever their inputs
       const acc_t olp_i = static_cast<acc_t>(in.olp[i0 + i]);
       TokenTerms<acc_t> o;
-      token_terms<acc_t>(L, static_cast<acc_t>(in.lp[i0 + i]), olp_i, static_cast<acc_t>(in.adv[i0 + i]), w,
+      token_terms<acc_t>(params, static_cast<acc_t>(in.lp[i0 + i]), olp_i, static_cast<acc_t>(in.adv[i0 + i]), w,
                          exp_any(olp_i), lo[i], up[i], o);
       add_counts<acc_t, double>(o, w, totals);
       totals[kNumCounts] += static_cast<double>(o.value);
@@ -223,10 +200,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cpu(
     const c10::optional<at::Tensor>& delta, double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid,
     int64_t divergence, int64_t clip_kind, double eps_low, double eps_high, double max_ratio, double dual_clip,
     int64_t mode, int64_t agg) {
-  const LossTensors T = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta);
+  const LossTensors inputs = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta);
   std::shared_ptr<const CellPolys> keep;
-  const LossParams L = loss_params_with_cells(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio,
-                                              dual_clip, mode, agg, delta_scalar, T, keep);
+  const LossParams params = loss_params_with_cells(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio,
+                                                   dual_clip, mode, agg, delta_scalar, inputs, keep);
   const int64_t B = lp.size(0), n = lp.size(1);
   const int64_t chunks = (B + kRowsPerChunk - 1) / kRowsPerChunk;
   std::vector<double> row_s(B), row_w(B), chunk_counts(chunks * kNumCounts, 0.0);
@@ -238,10 +215,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cpu(
       for (int64_t chunk = c0; chunk < c1; ++chunk) {
         double* counts = &chunk_counts[chunk * kNumCounts];
         for (int64_t b = chunk * kRowsPerChunk; b < std::min(B, (chunk + 1) * kRowsPerChunk); ++b) {
-          const RowInputs<scalar_t> in = row_inputs<scalar_t>(T, b);
+          const LossInputs<scalar_t> in = loss_inputs<scalar_t>(inputs, b);
           double totals[kSums] = {0};
-          if (!fast_row<scalar_t>(L, in, n, totals, 0.0f, nullptr, /*forward=*/true)) {
-            row_sums_generic<scalar_t, acc_t>(L, c, in, n, totals);
+          if (!fast_row<scalar_t>(params, in, n, totals, 0.0f, nullptr, /*forward=*/true)) {
+            row_sums_generic<scalar_t, acc_t>(params, c, in, n, totals);
           }
           for (int k = 0; k < kNumCounts; ++k) counts[k] += totals[k];
           row_s[b] = totals[kNumCounts];
@@ -253,10 +230,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cpu(
     for (int64_t b = 0; b < B; ++b) add_row(tot, row_s[b], row_w[b]);
     for (int64_t chunk = 0; chunk < chunks; ++chunk)
       for (int k = 0; k < kNumCounts; ++k) tot.counts[k] += chunk_counts[chunk * kNumCounts + k];
-    *out.loss.data_ptr<scalar_t>() = static_cast<scalar_t>(aggregate_loss(L.agg, tot));
+    *out.loss.data_ptr<scalar_t>() = static_cast<scalar_t>(aggregate_loss(params.agg, tot));
     write_metrics<scalar_t>(tot, out.metrics.data_ptr<scalar_t>());
     double* scale = out.row_scale.data_ptr<double>();
-    for (int64_t b = 0; b < B; ++b) scale[b] = row_scale(L.agg, tot, row_w[b]);
+    for (int64_t b = 0; b < B; ++b) scale[b] = row_scale(params.agg, tot, row_w[b]);
   });
   return {out.loss, out.metrics, out.row_scale};
 }
@@ -266,14 +243,14 @@ at::Tensor loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& row_scale
                         const c10::optional<at::Tensor>& delta, double delta_scalar, const at::Tensor& table,
                         c10::ArrayRef<double> grid, int64_t divergence, int64_t clip_kind, double eps_low,
                         double eps_high, double max_ratio, double dual_clip, int64_t mode) {
-  const LossTensors T = check_loss_inputs("policy_loss_bwd", lp, olp, adv, mask, delta);
+  const LossTensors inputs = check_loss_inputs("policy_loss_bwd", lp, olp, adv, mask, delta);
   check_grad_inputs("policy_loss_bwd", grad_loss, row_scale, lp);
   const double g = grad_loss.to(at::kDouble).item<double>();  // a CPU tensor: no synchronisation
   const at::Tensor scale = row_scale.contiguous();
   std::shared_ptr<const CellPolys> keep;
   // The aggregation is folded into row_scale: the backward's LossParams never read `agg`.
-  const LossParams L = loss_params_with_cells(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio,
-                                              dual_clip, mode, kAggTokenSum, delta_scalar, T, keep);
+  const LossParams params = loss_params_with_cells(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio,
+                                                   dual_clip, mode, kAggTokenSum, delta_scalar, inputs, keep);
   const int64_t B = lp.size(0), n = lp.size(1);
   at::Tensor grad = at::empty(lp.sizes(), lp.options());  // dense row-major: the layout the loops write
   const double* S = scale.data_ptr<double>();
@@ -284,21 +261,21 @@ at::Tensor loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& row_scale
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
       acc_t lo[kBlock], up[kBlock];
       for (int64_t b = b0; b < b1; ++b) {
-        const RowInputs<scalar_t> in = row_inputs<scalar_t>(T, b);
+        const LossInputs<scalar_t> in = loss_inputs<scalar_t>(inputs, b);
         const acc_t gb = static_cast<acc_t>(g * S[b]);
         scalar_t* o_row = out + b * n;
-        if (fast_row<scalar_t>(L, in, n, nullptr, static_cast<float>(gb), o_row, /*forward=*/false)) continue;
+        if (fast_row<scalar_t>(params, in, n, nullptr, static_cast<float>(gb), o_row, /*forward=*/false)) continue;
         for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
           const int m = static_cast<int>(n - i0 < kBlock ? n - i0 : kBlock);
-          block_bounds<scalar_t, acc_t>(L, c, in, i0, m, lo, up);
+          block_bounds<scalar_t, acc_t>(params, c, in, i0, m, lo, up);
           for (int i = 0; i < m; ++i) {
-            const acc_t w = weight<scalar_t, acc_t>(L, in, i0 + i);
+            const acc_t w = weight<scalar_t, acc_t>(params, in, i0 + i);
             acc_t gi = acc_t(0);
             if (w != acc_t(0)) {
               const acc_t olp_i = static_cast<acc_t>(in.olp[i0 + i]);
               TokenTerms<acc_t> o;
-              token_terms<acc_t>(L, static_cast<acc_t>(in.lp[i0 + i]), olp_i, static_cast<acc_t>(in.adv[i0 + i]), w,
-                                 exp_any(olp_i), lo[i], up[i], o);
+              token_terms<acc_t>(params, static_cast<acc_t>(in.lp[i0 + i]), olp_i, static_cast<acc_t>(in.adv[i0 + i]),
+                                 w, exp_any(olp_i), lo[i], up[i], o);
               gi = gb * o.grad;
             }
             o_row[i0 + i] = static_cast<scalar_t>(gi);

@@ -65,10 +65,10 @@ struct Slots {
 
 // One element: the bounds (CLIP false: out0 = lo, out1 = up) or the clipped ratio (out0), in acc_t.
 template <typename acc_t, bool CLIP, bool TOKEN>
-__device__ __forceinline__ void band_value(const BandParams& P, const DeltaConsts<acc_t>& c, acc_t x, acc_t d, acc_t r,
-                                           acc_t& out0, acc_t& out1) {
+__device__ __forceinline__ void band_value(const BandParams& band, const DeltaConsts<acc_t>& c, acc_t x, acc_t d,
+                                           acc_t r, acc_t& out0, acc_t& out1) {
   acc_t l, u;
-  band_element<acc_t, TOKEN>(P, c, x, d, l, u);
+  band_element<acc_t, TOKEN>(band, c, x, d, l, u);
   if (CLIP) {
     out0 = clamp_like_torch<acc_t>(r, l, u);
   } else {
@@ -79,19 +79,19 @@ __device__ __forceinline__ void band_value(const BandParams& P, const DeltaConst
 
 template <typename scalar_t, bool CLIP, int CELLS>
 __global__ void __launch_bounds__(kThreads)
-    band_dense_kernel(BandParams P, const void* cells_src, int n_cells, Pointers A, int64_t numel) {
+    band_dense_kernel(BandParams band, const void* cells_src, int n_cells, Pointers io, int64_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool TOKEN = per_token_mode(CELLS);
   constexpr int V = vec_size<scalar_t>();
   using S = Slots<CLIP>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  set_cells<acc_t>(P, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
-  const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(P.delta));
-  const scalar_t* prob = reinterpret_cast<const scalar_t*>(A.data[S::prob]);
-  const scalar_t* ratio = reinterpret_cast<const scalar_t*>(A.data[S::ratio]);
-  const scalar_t* delta = reinterpret_cast<const scalar_t*>(A.data[S::delta]);
-  scalar_t* out0 = reinterpret_cast<scalar_t*>(A.data[0]);
-  scalar_t* out1 = reinterpret_cast<scalar_t*>(A.data[1]);
+  set_cells<acc_t>(band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
+  const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(band.delta));
+  const scalar_t* prob = reinterpret_cast<const scalar_t*>(io.data[S::prob]);
+  const scalar_t* ratio = reinterpret_cast<const scalar_t*>(io.data[S::ratio]);
+  const scalar_t* delta = reinterpret_cast<const scalar_t*>(io.data[S::delta]);
+  scalar_t* out0 = reinterpret_cast<scalar_t*>(io.data[0]);
+  scalar_t* out1 = reinterpret_cast<scalar_t*>(io.data[1]);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * V;
   for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V; i < numel; i += stride) {
     if (i + V <= numel) {
@@ -103,7 +103,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         acc_t a0, a1 = acc_t(0);
-        band_value<acc_t, CLIP, TOKEN>(P, c, static_cast<acc_t>(xv.v[k]), TOKEN ? static_cast<acc_t>(dv.v[k]) : c.delta,
+        band_value<acc_t, CLIP, TOKEN>(band, c, static_cast<acc_t>(xv.v[k]),
+                                       TOKEN ? static_cast<acc_t>(dv.v[k]) : c.delta,
                                        CLIP ? static_cast<acc_t>(rv.v[k]) : acc_t(0), a0, a1);
         o0.v[k] = static_cast<scalar_t>(a0);
         o1.v[k] = static_cast<scalar_t>(a1);
@@ -113,7 +114,7 @@ __global__ void __launch_bounds__(kThreads)
     } else {
       for (int64_t j = i; j < numel; ++j) {  // the tail: fewer than V elements
         acc_t a0, a1 = acc_t(0);
-        band_value<acc_t, CLIP, TOKEN>(P, c, static_cast<acc_t>(prob[j]),
+        band_value<acc_t, CLIP, TOKEN>(band, c, static_cast<acc_t>(prob[j]),
                                        TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
                                        CLIP ? static_cast<acc_t>(ratio[j]) : acc_t(0), a0, a1);
         out0[j] = static_cast<scalar_t>(a0);
@@ -124,32 +125,32 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename scalar_t, bool CLIP, int CELLS>
-__global__ void __launch_bounds__(kThreads)
-    band_strided_kernel(BandParams P, const void* cells_src, int n_cells, Pointers A, Offsets offsets, uint32_t numel) {
+__global__ void __launch_bounds__(kThreads) band_strided_kernel(BandParams band, const void* cells_src, int n_cells,
+                                                                Pointers io, Offsets offsets, uint32_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool TOKEN = per_token_mode(CELLS);
   using S = Slots<CLIP>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  set_cells<acc_t>(P, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
-  const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(P.delta));
+  set_cells<acc_t>(band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
+  const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(band.delta));
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += gridDim.x * blockDim.x) {
     const auto off = offsets.get(i);  // byte offsets, one per operand
-    const acc_t x = static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(A.data[S::prob] + off[S::prob]));
+    const acc_t x = static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(io.data[S::prob] + off[S::prob]));
     const acc_t d =
-        TOKEN ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(A.data[S::delta] + off[S::delta])) : c.delta;
+        TOKEN ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(io.data[S::delta] + off[S::delta])) : c.delta;
     const acc_t r =
-        CLIP ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(A.data[S::ratio] + off[S::ratio])) : acc_t(0);
+        CLIP ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(io.data[S::ratio] + off[S::ratio])) : acc_t(0);
     acc_t a0, a1 = acc_t(0);
-    band_value<acc_t, CLIP, TOKEN>(P, c, x, d, r, a0, a1);
-    *reinterpret_cast<scalar_t*>(A.data[0] + off[0]) = static_cast<scalar_t>(a0);
-    if (!CLIP) *reinterpret_cast<scalar_t*>(A.data[1] + off[1]) = static_cast<scalar_t>(a1);
+    band_value<acc_t, CLIP, TOKEN>(band, c, x, d, r, a0, a1);
+    *reinterpret_cast<scalar_t*>(io.data[0] + off[0]) = static_cast<scalar_t>(a0);
+    if (!CLIP) *reinterpret_cast<scalar_t*>(io.data[1] + off[1]) = static_cast<scalar_t>(a1);
   }
 }
 
 Pointers pointers_of(const at::TensorIteratorBase& iter) {
-  Pointers A{};
-  for (int k = 0; k < iter.ntensors(); ++k) A.data[k] = static_cast<char*>(iter.data_ptr(k));
-  return A;
+  Pointers io{};
+  for (int k = 0; k < iter.ntensors(); ++k) io.data[k] = static_cast<char*>(iter.data_ptr(k));
+  return io;
 }
 
 // TensorIterator's offsets for up to kMaxOperands operands (absent ones get zero strides).
@@ -171,17 +172,18 @@ bool dense_and_aligned(const at::TensorIteratorBase& iter, int vec_bytes) {
 // The cells a launch of `kernel_shared` needs: shared memory when they fit, else global; none for a per-token
 // δ; a null global source for closed forms.
 template <typename acc_t>
-CellsPlan plan_cells(const BandParams& P, bool per_token, const void* kernel_shared, int device, cudaStream_t stream) {
-  CellsPlan plan{per_token ? kCellsNone : kCellsGlobal, nullptr, P.table.nt - 1, 0, at::Tensor()};
-  if (per_token || P.divergence != kKL) return plan;
-  plan.src = cached_cells(P, std::is_same<acc_t, double>::value, stream, plan.scratch);
+CellsPlan plan_cells(const BandParams& band, bool per_token, const void* kernel_shared, int device,
+                     cudaStream_t stream) {
+  CellsPlan plan{per_token ? kCellsNone : kCellsGlobal, nullptr, band.table.nt - 1, 0, at::Tensor()};
+  if (per_token || band.divergence != kKL) return plan;
+  plan.src = cached_cells(band, std::is_same<acc_t, double>::value, stream, plan.scratch);
   plan.smem = shared_cells_bytes(kernel_shared, sizeof(acc_t) * kCellValues * plan.n_cells, 0, device);
   plan.mode = plan.smem > 0 ? kCellsShared : kCellsGlobal;
   return plan;
 }
 
 template <typename scalar_t, bool CLIP, int CELLS>
-void launch_mode(at::TensorIteratorBase& iter, const BandParams& P, const CellsPlan& plan, int device,
+void launch_mode(at::TensorIteratorBase& iter, const BandParams& band, const CellsPlan& plan, int device,
                  cudaStream_t stream) {
   constexpr int V = vec_size<scalar_t>();
   const size_t smem = CELLS == kCellsShared ? plan.smem : 0;
@@ -191,7 +193,7 @@ void launch_mode(at::TensorIteratorBase& iter, const BandParams& P, const CellsP
         (iter.numel() + static_cast<int64_t>(kThreads) * V - 1) / (static_cast<int64_t>(kThreads) * V);
     const int blocks =
         static_cast<int>(std::min<int64_t>(needed, resident_blocks((const void*)kernel, kThreads, smem, device)));
-    kernel<<<blocks, kThreads, smem, stream>>>(P, plan.src, plan.n_cells, pointers_of(iter), iter.numel());
+    kernel<<<blocks, kThreads, smem, stream>>>(band, plan.src, plan.n_cells, pointers_of(iter), iter.numel());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
@@ -200,28 +202,28 @@ void launch_mode(at::TensorIteratorBase& iter, const BandParams& P, const CellsP
   for (auto& sub : iter.with_32bit_indexing()) {  // one sub-iterator unless there are 2^31 or more elements
     const int64_t needed = (sub.numel() + kThreads - 1) / kThreads;
     const int blocks = static_cast<int>(std::min<int64_t>(needed, resident));
-    kernel<<<blocks, kThreads, smem, stream>>>(P, plan.src, plan.n_cells, pointers_of(sub), offsets_of(sub),
+    kernel<<<blocks, kThreads, smem, stream>>>(band, plan.src, plan.n_cells, pointers_of(sub), offsets_of(sub),
                                                static_cast<uint32_t>(sub.numel()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
 template <bool CLIP>
-void launch(at::TensorIteratorBase& iter, const BandParams& P, bool per_token, at::ScalarType dtype, int device) {
+void launch(at::TensorIteratorBase& iter, const BandParams& band, bool per_token, at::ScalarType dtype, int device) {
   if (iter.numel() == 0) return;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "bandpo_lut_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     // Shared memory is planned for the dense kernel; the strided one has the same static use (none).
-    const CellsPlan plan =
-        plan_cells<acc_t>(P, per_token, (const void*)band_dense_kernel<scalar_t, CLIP, kCellsShared>, device, stream);
+    const CellsPlan plan = plan_cells<acc_t>(
+        band, per_token, (const void*)band_dense_kernel<scalar_t, CLIP, kCellsShared>, device, stream);
     if (plan.mode == kCellsShared) {
       (void)shared_cells_bytes((const void*)band_strided_kernel<scalar_t, CLIP, kCellsShared>, plan.smem, 0, device);
-      launch_mode<scalar_t, CLIP, kCellsShared>(iter, P, plan, device, stream);
+      launch_mode<scalar_t, CLIP, kCellsShared>(iter, band, plan, device, stream);
     } else if (plan.mode == kCellsGlobal) {
-      launch_mode<scalar_t, CLIP, kCellsGlobal>(iter, P, plan, device, stream);
+      launch_mode<scalar_t, CLIP, kCellsGlobal>(iter, band, plan, device, stream);
     } else {
-      launch_mode<scalar_t, CLIP, kCellsNone>(iter, P, plan, device, stream);
+      launch_mode<scalar_t, CLIP, kCellsNone>(iter, band, plan, device, stream);
     }
   });
 }
@@ -259,8 +261,8 @@ std::tuple<at::Tensor, at::Tensor> bounds_cuda(const at::Tensor& prob, const c10
     materialise(keep, it.lo.sizes(), nullptr, prob, d.per_token);
     it = make_band_iter("bounds", nullptr, keep.prob, keep.delta, table, grid, divergence, max_ratio);
   }
-  const BandParams P = make_params(table, grid, divergence, log_input, d.scalar, max_ratio, prob.scalar_type());
-  launch<false>(it.iter, P, d.per_token_mode(), prob.scalar_type(), prob.get_device());
+  const BandParams band = make_params(table, grid, divergence, log_input, d.scalar, max_ratio, prob.scalar_type());
+  launch<false>(it.iter, band, d.per_token_mode(), prob.scalar_type(), prob.get_device());
   return {it.lo, it.up};
 }
 
@@ -279,8 +281,8 @@ at::Tensor clip_cuda(const at::Tensor& ratio, const at::Tensor& prob, const c10:
     materialise(keep, it.out.sizes(), &ratio, prob, d.per_token);
     it = make_band_iter("clip", &keep.ratio, keep.prob, keep.delta, table, grid, divergence, max_ratio);
   }
-  const BandParams P = make_params(table, grid, divergence, log_input, d.scalar, max_ratio, prob.scalar_type());
-  launch<true>(it.iter, P, d.per_token_mode(), prob.scalar_type(), prob.get_device());
+  const BandParams band = make_params(table, grid, divergence, log_input, d.scalar, max_ratio, prob.scalar_type());
+  launch<true>(it.iter, band, d.per_token_mode(), prob.scalar_type(), prob.get_device());
   return it.out;
 }
 

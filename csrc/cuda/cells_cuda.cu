@@ -30,16 +30,16 @@ __global__ void collapse_kernel(TableView tb, int js, double w0, double w1, doub
   for (int j = 0; j < kCellValues; ++j) out[kCellValues * k + j] = static_cast<acc_t>(c8[j]);
 }
 
-void launch_collapse(const BandParams& P, bool as_double, void* out, cudaStream_t stream) {
-  const int cells = P.table.nt - 1;
+void launch_collapse(const BandParams& band, bool as_double, void* out, cudaStream_t stream) {
+  const int cells = band.table.nt - 1;
   const int threads = 128, blocks = (cells + threads - 1) / threads;
-  const double* w = P.delta_ws;
+  const double* w = band.delta_ws;
   if (as_double) {
     collapse_kernel<double>
-        <<<blocks, threads, 0, stream>>>(P.table, P.delta_js, w[0], w[1], w[2], w[3], static_cast<double*>(out));
+        <<<blocks, threads, 0, stream>>>(band.table, band.delta_js, w[0], w[1], w[2], w[3], static_cast<double*>(out));
   } else {
     collapse_kernel<float>
-        <<<blocks, threads, 0, stream>>>(P.table, P.delta_js, w[0], w[1], w[2], w[3], static_cast<float*>(out));
+        <<<blocks, threads, 0, stream>>>(band.table, band.delta_js, w[0], w[1], w[2], w[3], static_cast<float*>(out));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -61,16 +61,16 @@ bool capturing(cudaStream_t stream) {
 
 }  // namespace
 
-const void* cached_cells(const BandParams& P, bool as_double, cudaStream_t stream, at::Tensor& scratch) {
+const void* cached_cells(const BandParams& band, bool as_double, cudaStream_t stream, at::Tensor& scratch) {
   static std::mutex mu;
   static std::map<Key, Entry> cache;
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  const int64_t values = static_cast<int64_t>(P.table.nt - 1) * kCellValues;
+  const int64_t values = static_cast<int64_t>(band.table.nt - 1) * kCellValues;
   const auto options = at::TensorOptions().device(at::kCUDA, device).dtype(as_double ? at::kDouble : at::kFloat);
   const bool in_capture = capturing(stream);
   std::lock_guard<std::mutex> lock(mu);
-  const Key key{P.table.coef, device, P.delta, as_double};
+  const Key key{band.table.coef, device, band.delta, as_double};
   auto it = cache.find(key);
   if (it != cache.end()) {
     Entry& e = it->second;
@@ -92,12 +92,12 @@ const void* cached_cells(const BandParams& P, bool as_double, cudaStream_t strea
   }
   if (in_capture || cache.size() >= kMaxEntries) {
     scratch = at::empty({values}, options);
-    launch_collapse(P, as_double, scratch.data_ptr(), stream);
+    launch_collapse(band, as_double, scratch.data_ptr(), stream);
     return scratch.data_ptr();
   }
   Entry e;
   e.cells = at::empty({values}, options);
-  launch_collapse(P, as_double, e.cells.data_ptr(), stream);
+  launch_collapse(band, as_double, e.cells.data_ptr(), stream);
   C10_CUDA_CHECK(cudaEventCreateWithFlags(&e.ready, cudaEventDisableTiming));
   C10_CUDA_CHECK(cudaEventRecord(e.ready, stream));
   e.stream = stream;

@@ -31,7 +31,7 @@ constexpr int kCellValues = 8;  // per t cell: the q_up and κ cubics, a0..a3 ea
 // During CUDA-graph capture an entry that is not known complete is not used and none is created: the cells
 // are collapsed into `scratch` (allocated from the capture's pool), so the graph holds its own collapse
 // kernel and never depends on work outside it.
-const void* cached_cells(const BandParams& P, bool as_double, cudaStream_t stream, at::Tensor& scratch);
+const void* cached_cells(const BandParams& band, bool as_double, cudaStream_t stream, at::Tensor& scratch);
 
 // Dynamic shared memory for `cells_bytes` of cells in `kernel` (which also uses `static_bytes`): the bytes
 // to request, opting the kernel in above the 48 KB default where the device allows, or 0 when they do not
@@ -64,11 +64,11 @@ __device__ __forceinline__ const acc_t* cells_prologue(const acc_t* src, int n_c
 
 // Point BandParams at the cells for acc_t (float inputs read cell_f, double inputs cell_d).
 template <typename acc_t>
-__device__ __forceinline__ void set_cells(BandParams& P, const acc_t* cells) {
+__device__ __forceinline__ void set_cells(BandParams& band, const acc_t* cells) {
   if constexpr (std::is_same<acc_t, double>::value) {
-    P.cell_d = cells;
+    band.cell_d = cells;
   } else {
-    P.cell_f = cells;
+    band.cell_f = cells;
   }
 }
 

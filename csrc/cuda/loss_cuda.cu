@@ -47,23 +47,13 @@ struct Tiles {
 };
 
 Tiles make_tiles(int64_t B, int64_t n) {
-  Tiles t{B, n, 1, 1};
+  Tiles tiles{B, n, 1, 1};
   const int64_t full = static_cast<int64_t>(kWarpSize) * kMaxK;
-  t.per_row = std::max<int64_t>(1, (n + full - 1) / full);
-  const int64_t per_tile = (n + t.per_row - 1) / t.per_row;
-  t.k = static_cast<int>(std::max<int64_t>(1, (per_tile + kWarpSize - 1) / kWarpSize));
-  return t;
+  tiles.per_row = std::max<int64_t>(1, (n + full - 1) / full);
+  const int64_t per_tile = (n + tiles.per_row - 1) / tiles.per_row;
+  tiles.k = static_cast<int>(std::max<int64_t>(1, (per_tile + kWarpSize - 1) / kWarpSize));
+  return tiles;
 }
-
-// The inputs (dense row-major (batch, T); LossTensors).
-template <typename scalar_t>
-struct LossPointers {
-  const scalar_t* lp;
-  const scalar_t* olp;
-  const scalar_t* adv;
-  const scalar_t* delta;  // per-token δ or null
-  const void* mask;       // LossParams::mask_kind says how to read it
-};
 
 // One tile's inputs, loaded before any math (kMaxK tokens per lane in flight per operand).
 template <typename acc_t>
@@ -72,28 +62,28 @@ struct TileInputs {
 };
 
 template <typename scalar_t, typename acc_t, bool TOKEN>
-__device__ __forceinline__ void load_tile(const LossParams& L, const LossPointers<scalar_t>& in, const Tiles& t,
-                                          int64_t base, int64_t j0, int lane, TileInputs<acc_t>& x) {
+__device__ __forceinline__ void load_tile(const LossParams& params, const LossInputs<scalar_t>& in, const Tiles& tiles,
+                                          int64_t base, int64_t j0, int lane, TileInputs<acc_t>& loaded) {
 #pragma unroll
   for (int k = 0; k < kMaxK; ++k) {
     const int64_t j = j0 + static_cast<int64_t>(k) * kWarpSize + lane;
-    const bool ok = (k < t.k) & (j < t.n);
+    const bool ok = (k < tiles.k) & (j < tiles.n);
     const int64_t i = base + (ok ? j : 0);
-    x.w[k] = ok ? mask_weight_any<scalar_t, acc_t>(L.mask_kind, in.mask, i) : acc_t(0);
-    x.lp[k] = ok ? static_cast<acc_t>(in.lp[i]) : acc_t(0);
-    x.olp[k] = ok ? static_cast<acc_t>(in.olp[i]) : acc_t(0);
-    x.adv[k] = ok ? static_cast<acc_t>(in.adv[i]) : acc_t(0);
-    x.d[k] = (ok & TOKEN) ? static_cast<acc_t>(in.delta[i]) : acc_t(0);
+    loaded.w[k] = ok ? mask_weight_any<scalar_t, acc_t>(params.mask_kind, in.mask, i) : acc_t(0);
+    loaded.lp[k] = ok ? static_cast<acc_t>(in.lp[i]) : acc_t(0);
+    loaded.olp[k] = ok ? static_cast<acc_t>(in.olp[i]) : acc_t(0);
+    loaded.adv[k] = ok ? static_cast<acc_t>(in.adv[i]) : acc_t(0);
+    loaded.d[k] = (ok & TOKEN) ? static_cast<acc_t>(in.delta[i]) : acc_t(0);
   }
 }
 
 template <typename acc_t, bool TOKEN>
-__device__ __forceinline__ void token_at(const LossParams& L, const DeltaConsts<acc_t>& c, const TileInputs<acc_t>& x,
-                                         int k, TokenTerms<acc_t>& o) {
-  const acc_t p = exp_any(x.olp[k]);
+__device__ __forceinline__ void token_at(const LossParams& params, const DeltaConsts<acc_t>& c,
+                                         const TileInputs<acc_t>& loaded, int k, TokenTerms<acc_t>& o) {
+  const acc_t p = exp_any(loaded.olp[k]);
   acc_t lo, up;
-  clip_bounds<acc_t, TOKEN>(L, c, x.olp[k], p, TOKEN ? x.d[k] : c.delta, lo, up);
-  token_terms<acc_t>(L, x.lp[k], x.olp[k], x.adv[k], x.w[k], p, lo, up, o);
+  clip_bounds<acc_t, TOKEN>(params, c, loaded.olp[k], p, TOKEN ? loaded.d[k] : c.delta, lo, up);
+  token_terms<acc_t>(params, loaded.lp[k], loaded.olp[k], loaded.adv[k], loaded.w[k], p, lo, up, o);
 }
 
 template <typename T>
@@ -138,37 +128,37 @@ struct CountAcc {
 // Pass 1. tile_sums: [per_row][rows] (Σ w·loss, Σ w) of each tile; block_counts: [gridDim.x][kNumCounts].
 template <typename scalar_t, int CELLS, bool WEIGHTED>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t, WEIGHTED>)
-    loss_tokens_kernel(LossParams L, const void* cells_src, int n_cells, LossPointers<scalar_t> in, Tiles t,
+    loss_tokens_kernel(LossParams params, const void* cells_src, int n_cells, LossInputs<scalar_t> in, Tiles tiles,
                        double2* tile_sums, double* block_counts) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool TOKEN = per_token_mode(CELLS);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ double warp_counts[kWarpsPerBlock][kNumCounts];
-  set_cells<acc_t>(L.band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
-  const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(L.band.delta));
+  set_cells<acc_t>(params.band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
+  const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(params.band.delta));
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  const int64_t tile_len = static_cast<int64_t>(t.k) * kWarpSize;
+  const int64_t tile_len = static_cast<int64_t>(tiles.k) * kWarpSize;
   CountAcc<WEIGHTED> acc;
   acc.zero();
-  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; tile < t.count(); tile += n_warps) {
-    const int64_t row = tile / t.per_row, part = tile - row * t.per_row;
-    TileInputs<acc_t> x;
-    load_tile<scalar_t, acc_t, TOKEN>(L, in, t, row * t.n, part * tile_len, lane, x);
+  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; tile < tiles.count(); tile += n_warps) {
+    const int64_t row = tile / tiles.per_row, part = tile - row * tiles.per_row;
+    TileInputs<acc_t> loaded;
+    load_tile<scalar_t, acc_t, TOKEN>(params, in, tiles, row * tiles.n, part * tile_len, lane, loaded);
     double s = 0.0, w_sum = 0.0;
 #pragma unroll
     for (int k = 0; k < kMaxK; ++k) {
-      if (x.w[k] != acc_t(0)) {  // ignored tokens contribute nothing, whatever their inputs
+      if (loaded.w[k] != acc_t(0)) {  // ignored tokens contribute nothing, whatever their inputs
         TokenTerms<acc_t> o;
-        token_at<acc_t, TOKEN>(L, c, x, k, o);
-        acc.add(o, x.w[k]);
+        token_at<acc_t, TOKEN>(params, c, loaded, k, o);
+        acc.add(o, loaded.w[k]);
         s += static_cast<double>(o.value);
-        w_sum += static_cast<double>(x.w[k]);
+        w_sum += static_cast<double>(loaded.w[k]);
       }
     }
     s = warp_sum(s);
     w_sum = warp_sum(w_sum);
-    if (lane == 0) tile_sums[part * t.rows + row] = make_double2(s, w_sum);
+    if (lane == 0) tile_sums[part * tiles.rows + row] = make_double2(s, w_sum);
   }
 #pragma unroll
   for (int k = 0; k < kNumCounts; ++k) {
@@ -184,12 +174,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t, WEIGHTED>)
 }
 
 // Pass 2a (rows split into several tiles only): each row's (Σ w·loss, Σ w) over its tiles, in tile order.
-__global__ void __launch_bounds__(kThreads) loss_rows_kernel(Tiles t, const double2* tile_sums, double2* row_sums) {
-  for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < t.rows;
+__global__ void __launch_bounds__(kThreads) loss_rows_kernel(Tiles tiles, const double2* tile_sums, double2* row_sums) {
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < tiles.rows;
        b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     double s = 0.0, w = 0.0;
-    for (int64_t part = 0; part < t.per_row; ++part) {  // [part][row]: neighbouring threads read neighbours
-      const double2 v = tile_sums[part * t.rows + b];
+    for (int64_t part = 0; part < tiles.per_row; ++part) {  // [part][row]: neighbouring threads read neighbours
+      const double2 v = tile_sums[part * tiles.rows + b];
       s += v.x;
       w += v.y;
     }
@@ -223,17 +213,17 @@ __global__ void __launch_bounds__(kFinishThreads)
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    LossTotals T{};
+    LossTotals grand{};
     for (int w = 0; w < kWarps; ++w) {
-      T.s += warp_vals[w][0];
-      T.w += warp_vals[w][1];
-      T.row_mean += warp_vals[w][2];
-      T.n_rows += warp_vals[w][3];
-      for (int k = 0; k < kNumCounts; ++k) T.counts[k] += warp_vals[w][4 + k];
+      grand.s += warp_vals[w][0];
+      grand.w += warp_vals[w][1];
+      grand.row_mean += warp_vals[w][2];
+      grand.n_rows += warp_vals[w][3];
+      for (int k = 0; k < kNumCounts; ++k) grand.counts[k] += warp_vals[w][4 + k];
     }
-    *loss = static_cast<scalar_t>(aggregate_loss(agg, T));
-    write_metrics<scalar_t>(T, metrics);
-    totals = T;
+    *loss = static_cast<scalar_t>(aggregate_loss(agg, grand));
+    write_metrics<scalar_t>(grand, metrics);
+    totals = grand;
   }
   __syncthreads();
   for (int64_t b = threadIdx.x; b < rows; b += blockDim.x) row_scale_out[b] = row_scale(agg, totals, row_scale_out[b]);
@@ -241,31 +231,31 @@ __global__ void __launch_bounds__(kFinishThreads)
 
 template <typename scalar_t, int CELLS>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>)
-    loss_grad_kernel(LossParams L, const void* cells_src, int n_cells, LossPointers<scalar_t> in, Tiles t,
+    loss_grad_kernel(LossParams params, const void* cells_src, int n_cells, LossInputs<scalar_t> in, Tiles tiles,
                      const double* grad_loss, const double* row_scale, scalar_t* grad) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool TOKEN = per_token_mode(CELLS);
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  set_cells<acc_t>(L.band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
-  const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(L.band.delta));
+  set_cells<acc_t>(params.band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
+  const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(params.band.delta));
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  const int64_t tile_len = static_cast<int64_t>(t.k) * kWarpSize;
+  const int64_t tile_len = static_cast<int64_t>(tiles.k) * kWarpSize;
   const double g = *grad_loss;
-  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; tile < t.count(); tile += n_warps) {
-    const int64_t row = tile / t.per_row, part = tile - row * t.per_row;
-    const int64_t base = row * t.n, j0 = part * tile_len;
+  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; tile < tiles.count(); tile += n_warps) {
+    const int64_t row = tile / tiles.per_row, part = tile - row * tiles.per_row;
+    const int64_t base = row * tiles.n, j0 = part * tile_len;
     const acc_t gb = static_cast<acc_t>(g * row_scale[row]);
-    TileInputs<acc_t> x;
-    load_tile<scalar_t, acc_t, TOKEN>(L, in, t, base, j0, lane, x);
+    TileInputs<acc_t> loaded;
+    load_tile<scalar_t, acc_t, TOKEN>(params, in, tiles, base, j0, lane, loaded);
 #pragma unroll
     for (int k = 0; k < kMaxK; ++k) {
       const int64_t j = j0 + static_cast<int64_t>(k) * kWarpSize + lane;
-      if ((k < t.k) & (j < t.n)) {
+      if ((k < tiles.k) & (j < tiles.n)) {
         acc_t gi = acc_t(0);
-        if (x.w[k] != acc_t(0)) {
+        if (loaded.w[k] != acc_t(0)) {
           TokenTerms<acc_t> o;
-          token_at<acc_t, TOKEN>(L, c, x, k, o);
+          token_at<acc_t, TOKEN>(params, c, loaded, k, o);
           gi = gb * o.grad;
         }
         grad[base + j] = static_cast<scalar_t>(gi);
@@ -274,34 +264,29 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>)
   }
 }
 
-template <typename scalar_t>
-LossPointers<scalar_t> pointers_of(const LossTensors& T) {
-  return {T.lp.data_ptr<scalar_t>(), T.olp.data_ptr<scalar_t>(), T.adv.data_ptr<scalar_t>(),
-          T.delta.defined() ? T.delta.data_ptr<scalar_t>() : nullptr, T.mask.defined() ? T.mask.data_ptr() : nullptr};
-}
-
 // The cells of a launch: shared memory for a scalar-δ KL band when it fits beside `static_bytes`.
 template <typename acc_t>
-CellsPlan plan_loss_cells(const LossParams& L, const void* kernel_shared, size_t static_bytes, int device,
+CellsPlan plan_loss_cells(const LossParams& params, const void* kernel_shared, size_t static_bytes, int device,
                           cudaStream_t stream) {
-  CellsPlan plan{L.per_token_delta ? kCellsNone : kCellsGlobal, nullptr, L.band.table.nt - 1, 0, at::Tensor()};
-  if (L.per_token_delta || L.clip_kind != kClipBand || L.band.divergence != kKL) return plan;
-  plan.src = cached_cells(L.band, std::is_same<acc_t, double>::value, stream, plan.scratch);
+  CellsPlan plan{params.per_token_delta ? kCellsNone : kCellsGlobal, nullptr, params.band.table.nt - 1, 0,
+                 at::Tensor()};
+  if (params.per_token_delta || params.clip_kind != kClipBand || params.band.divergence != kKL) return plan;
+  plan.src = cached_cells(params.band, std::is_same<acc_t, double>::value, stream, plan.scratch);
   plan.smem = shared_cells_bytes(kernel_shared, sizeof(acc_t) * kCellValues * plan.n_cells, static_bytes, device);
   plan.mode = plan.smem > 0 ? kCellsShared : kCellsGlobal;
   return plan;
 }
 
 template <typename scalar_t, int CELLS, bool WEIGHTED>
-int launch_tokens(const LossParams& L, const CellsPlan& plan, const LossPointers<scalar_t>& in, const Tiles& t,
+int launch_tokens(const LossParams& params, const CellsPlan& plan, const LossInputs<scalar_t>& in, const Tiles& tiles,
                   at::Tensor& tile_sums, at::Tensor& block_counts, int device, cudaStream_t stream) {
   const auto kernel = loss_tokens_kernel<scalar_t, CELLS, WEIGHTED>;
   const size_t smem = CELLS == kCellsShared ? plan.smem : 0;
-  const int64_t needed = (t.count() + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int64_t needed = (tiles.count() + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int blocks =
       static_cast<int>(std::min<int64_t>(needed, resident_blocks((const void*)kernel, kThreads, smem, device)));
   block_counts = at::empty({blocks, kNumCounts}, tile_sums.options());
-  kernel<<<blocks, kThreads, smem, stream>>>(L, plan.src, plan.n_cells, in, t,
+  kernel<<<blocks, kThreads, smem, stream>>>(params, plan.src, plan.n_cells, in, tiles,
                                              reinterpret_cast<double2*>(tile_sums.data_ptr<double>()),
                                              block_counts.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -309,12 +294,13 @@ int launch_tokens(const LossParams& L, const CellsPlan& plan, const LossPointers
 }
 
 template <typename scalar_t, int CELLS>
-int launch_tokens_mask(const LossParams& L, const CellsPlan& plan, const LossPointers<scalar_t>& in, const Tiles& t,
-                       at::Tensor& tile_sums, at::Tensor& block_counts, int device, cudaStream_t stream) {
-  if (L.mask_kind == kMaskFloat) {
-    return launch_tokens<scalar_t, CELLS, true>(L, plan, in, t, tile_sums, block_counts, device, stream);
+int launch_tokens_mask(const LossParams& params, const CellsPlan& plan, const LossInputs<scalar_t>& in,
+                       const Tiles& tiles, at::Tensor& tile_sums, at::Tensor& block_counts, int device,
+                       cudaStream_t stream) {
+  if (params.mask_kind == kMaskFloat) {
+    return launch_tokens<scalar_t, CELLS, true>(params, plan, in, tiles, tile_sums, block_counts, device, stream);
   }
-  return launch_tokens<scalar_t, CELLS, false>(L, plan, in, t, tile_sums, block_counts, device, stream);
+  return launch_tokens<scalar_t, CELLS, false>(params, plan, in, tiles, tile_sums, block_counts, device, stream);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cuda(
@@ -323,31 +309,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cuda(
     int64_t divergence, int64_t clip_kind, double eps_low, double eps_high, double max_ratio, double dual_clip,
     int64_t mode, int64_t agg) {
   const c10::cuda::CUDAGuard guard(lp.device());
-  const LossTensors T = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta);
-  const LossParams L = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio, dual_clip,
-                                        mode, agg, delta_scalar, T);
+  const LossTensors inputs = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta);
+  const LossParams params = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio,
+                                             dual_clip, mode, agg, delta_scalar, inputs);
   const int device = lp.get_device();
-  const Tiles t = make_tiles(lp.size(0), lp.size(1));
+  const Tiles tiles = make_tiles(lp.size(0), lp.size(1));
   LossOutputs out = empty_loss_outputs(lp);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
-  at::Tensor tile_sums = at::empty({2 * t.count()}, lp.options().dtype(at::kDouble));
+  at::Tensor tile_sums = at::empty({2 * tiles.count()}, lp.options().dtype(at::kDouble));
   at::Tensor block_counts;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lp.scalar_type(), "policy_loss_fwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const LossPointers<scalar_t> in = pointers_of<scalar_t>(T);
+    const LossInputs<scalar_t> in = loss_inputs<scalar_t>(inputs, 0);
     int blocks = 0;
-    if (t.count() > 0) {
+    if (tiles.count() > 0) {
       const size_t static_bytes = sizeof(double) * kWarpsPerBlock * kNumCounts;
-      const void* shared_kernel = L.mask_kind == kMaskFloat
+      const void* shared_kernel = params.mask_kind == kMaskFloat
                                       ? (const void*)loss_tokens_kernel<scalar_t, kCellsShared, true>
                                       : (const void*)loss_tokens_kernel<scalar_t, kCellsShared, false>;
-      const CellsPlan plan = plan_loss_cells<acc_t>(L, shared_kernel, static_bytes, device, stream);
+      const CellsPlan plan = plan_loss_cells<acc_t>(params, shared_kernel, static_bytes, device, stream);
       if (plan.mode == kCellsShared) {
-        blocks = launch_tokens_mask<scalar_t, kCellsShared>(L, plan, in, t, tile_sums, block_counts, device, stream);
+        blocks = launch_tokens_mask<scalar_t, kCellsShared>(params, plan, in, tiles, tile_sums, block_counts, device,
+                                                            stream);
       } else if (plan.mode == kCellsGlobal) {
-        blocks = launch_tokens_mask<scalar_t, kCellsGlobal>(L, plan, in, t, tile_sums, block_counts, device, stream);
+        blocks = launch_tokens_mask<scalar_t, kCellsGlobal>(params, plan, in, tiles, tile_sums, block_counts, device,
+                                                            stream);
       } else {
-        blocks = launch_tokens_mask<scalar_t, kCellsNone>(L, plan, in, t, tile_sums, block_counts, device, stream);
+        blocks =
+            launch_tokens_mask<scalar_t, kCellsNone>(params, plan, in, tiles, tile_sums, block_counts, device, stream);
       }
     } else {
       block_counts = at::empty({0}, tile_sums.options());
@@ -356,17 +345,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cuda(
     // single-block finish reads 16 bytes per row, not per tile).
     const double2* row_sums = reinterpret_cast<const double2*>(tile_sums.data_ptr<double>());
     at::Tensor rows_buf;
-    if (t.per_row > 1 && t.rows > 0) {
-      rows_buf = at::empty({2 * t.rows}, tile_sums.options());
+    if (tiles.per_row > 1 && tiles.rows > 0) {
+      rows_buf = at::empty({2 * tiles.rows}, tile_sums.options());
       const int row_blocks = static_cast<int>(std::min<int64_t>(
-          (t.rows + kThreads - 1) / kThreads, resident_blocks((const void*)loss_rows_kernel, kThreads, 0, device)));
-      loss_rows_kernel<<<row_blocks, kThreads, 0, stream>>>(t, row_sums,
+          (tiles.rows + kThreads - 1) / kThreads, resident_blocks((const void*)loss_rows_kernel, kThreads, 0, device)));
+      loss_rows_kernel<<<row_blocks, kThreads, 0, stream>>>(tiles, row_sums,
                                                             reinterpret_cast<double2*>(rows_buf.data_ptr<double>()));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       row_sums = reinterpret_cast<const double2*>(rows_buf.data_ptr<double>());
     }
     loss_finish_kernel<scalar_t><<<1, kFinishThreads, 0, stream>>>(
-        L.agg, t.rows, row_sums, block_counts.data_ptr<double>(), blocks, out.loss.data_ptr<scalar_t>(),
+        params.agg, tiles.rows, row_sums, block_counts.data_ptr<double>(), blocks, out.loss.data_ptr<scalar_t>(),
         out.metrics.data_ptr<scalar_t>(), out.row_scale.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -374,14 +363,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cuda(
 }
 
 template <typename scalar_t, int CELLS>
-void launch_grad(const LossParams& L, const CellsPlan& plan, const LossPointers<scalar_t>& in, const Tiles& t,
+void launch_grad(const LossParams& params, const CellsPlan& plan, const LossInputs<scalar_t>& in, const Tiles& tiles,
                  const at::Tensor& g, const at::Tensor& scale, at::Tensor& grad, int device, cudaStream_t stream) {
   const auto kernel = loss_grad_kernel<scalar_t, CELLS>;
   const size_t smem = CELLS == kCellsShared ? plan.smem : 0;
-  const int64_t needed = (t.count() + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int64_t needed = (tiles.count() + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int blocks =
       static_cast<int>(std::min<int64_t>(needed, resident_blocks((const void*)kernel, kThreads, smem, device)));
-  kernel<<<blocks, kThreads, smem, stream>>>(L, plan.src, plan.n_cells, in, t, g.data_ptr<double>(),
+  kernel<<<blocks, kThreads, smem, stream>>>(params, plan.src, plan.n_cells, in, tiles, g.data_ptr<double>(),
                                              scale.data_ptr<double>(), grad.data_ptr<scalar_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -392,29 +381,29 @@ at::Tensor loss_bwd_cuda(const at::Tensor& grad_loss, const at::Tensor& row_scal
                          c10::ArrayRef<double> grid, int64_t divergence, int64_t clip_kind, double eps_low,
                          double eps_high, double max_ratio, double dual_clip, int64_t mode) {
   const c10::cuda::CUDAGuard guard(lp.device());
-  const LossTensors T = check_loss_inputs("policy_loss_bwd", lp, olp, adv, mask, delta);
+  const LossTensors inputs = check_loss_inputs("policy_loss_bwd", lp, olp, adv, mask, delta);
   check_grad_inputs("policy_loss_bwd", grad_loss, row_scale, lp);
   const at::Tensor g = grad_loss.reshape({1}).to(at::kDouble);  // read on the device: no synchronisation
   const at::Tensor scale = row_scale.contiguous();
   // The aggregation is folded into row_scale: the backward's LossParams never read `agg`.
-  const LossParams L = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio, dual_clip,
-                                        mode, kAggTokenSum, delta_scalar, T);
+  const LossParams params = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio,
+                                             dual_clip, mode, kAggTokenSum, delta_scalar, inputs);
   const int device = lp.get_device();
-  const Tiles t = make_tiles(lp.size(0), lp.size(1));
+  const Tiles tiles = make_tiles(lp.size(0), lp.size(1));
   at::Tensor grad = at::empty(lp.sizes(), lp.options());  // dense row-major: the layout the kernel writes
-  if (t.count() == 0 || lp.numel() == 0) return grad;
+  if (tiles.count() == 0 || lp.numel() == 0) return grad;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lp.scalar_type(), "policy_loss_bwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const LossPointers<scalar_t> in = pointers_of<scalar_t>(T);
+    const LossInputs<scalar_t> in = loss_inputs<scalar_t>(inputs, 0);
     const CellsPlan plan =
-        plan_loss_cells<acc_t>(L, (const void*)loss_grad_kernel<scalar_t, kCellsShared>, 0, device, stream);
+        plan_loss_cells<acc_t>(params, (const void*)loss_grad_kernel<scalar_t, kCellsShared>, 0, device, stream);
     if (plan.mode == kCellsShared) {
-      launch_grad<scalar_t, kCellsShared>(L, plan, in, t, g, scale, grad, device, stream);
+      launch_grad<scalar_t, kCellsShared>(params, plan, in, tiles, g, scale, grad, device, stream);
     } else if (plan.mode == kCellsGlobal) {
-      launch_grad<scalar_t, kCellsGlobal>(L, plan, in, t, g, scale, grad, device, stream);
+      launch_grad<scalar_t, kCellsGlobal>(params, plan, in, tiles, g, scale, grad, device, stream);
     } else {
-      launch_grad<scalar_t, kCellsNone>(L, plan, in, t, g, scale, grad, device, stream);
+      launch_grad<scalar_t, kCellsNone>(params, plan, in, tiles, g, scale, grad, device, stream);
     }
   });
   return grad;
