@@ -30,13 +30,16 @@ def add_arguments(parser):
 
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--n", type=int_at_least(1), default=2 ** 22, help="elements for the clip rows")
-    parser.add_argument("--batch", type=int_at_least(1), default=64)
-    parser.add_argument("--tokens", type=int_at_least(1), default=8192)
-    parser.add_argument("--repeats", type=int_at_least(1), default=20)
+    parser.add_argument("--batch", type=int_at_least(1), default=64, help="rows of the loss rows' batch (default 64)")
+    parser.add_argument("--tokens", type=int_at_least(1), default=8192,
+                        help="tokens per row of the loss rows' batch (default 8192)")
+    parser.add_argument("--repeats", type=int_at_least(1), default=20,
+                        help="timed calls per row after a warm-up; the median is reported (default 20)")
     parser.add_argument("--threads", type=int_at_least(1), default=2, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--accuracy-points", type=int_at_least(0), default=300, help="0 skips the accuracy rows")
     parser.add_argument("--skip-bisection", action="store_true", help="the bisection row takes seconds")
-    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-memory", action="store_true",
+                        help="skip the peak-memory rows (CPU; two fresh processes)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 

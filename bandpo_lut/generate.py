@@ -54,14 +54,19 @@ def add_arguments(parser):
                              "delta range (the error says how large)")
     parser.add_argument("--t-density", type=int_at_least(1), default=DEFAULTS["t_density"],
                         help="nodes per unit of logit p (a power of two keeps the spacing exact)")
-    parser.add_argument("--delta-min", type=number_in(0, lo_open=True), default=DEFAULTS["delta_min"])
-    parser.add_argument("--delta-max", type=number_in(0, lo_open=True), default=DEFAULTS["delta_max"])
+    parser.add_argument("--delta-min", type=number_in(0, lo_open=True), default=DEFAULTS["delta_min"],
+                        help="smallest delta the table covers (default %(default)g)")
+    parser.add_argument("--delta-max", type=number_in(0, lo_open=True), default=DEFAULTS["delta_max"],
+                        help="largest delta the table covers (default %(default)g)")
     parser.add_argument("--s-nodes", type=int_at_least(4), default=DEFAULTS["s_nodes"], help="nodes in log(delta)")
     parser.add_argument("--ghost", type=int_at_least(0), default=DEFAULTS["ghost"],
                         help="extra fit nodes beyond each edge")
     parser.add_argument("--dps", type=int_at_least(30), default=DEFAULTS["dps"], help="mpmath working digits")
-    parser.add_argument("--dtype", choices=("float32", "float64"), default=DEFAULTS["dtype"])
-    parser.add_argument("--accuracy-points", type=int_at_least(0), default=DEFAULTS["accuracy_points"])
+    parser.add_argument("--dtype", choices=("float32", "float64"), default=DEFAULTS["dtype"],
+                        help="storage dtype of the coefficients (default %(default)s)")
+    parser.add_argument("--accuracy-points", type=int_at_least(0), default=DEFAULTS["accuracy_points"],
+                        help="random off-grid points the accuracy stamp is measured at against mpmath "
+                             "(default %(default)s; 0: no stamp)")
     parser.add_argument("--workers", type=int_at_least(0), default=0, help="processes (default: all cores)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -24,7 +24,7 @@ def add_arguments(parser):
 
     parser.add_argument("files", nargs="+", metavar="FILE", help=".bplut table files")
     parser.add_argument("--points", type=int_at_least(1), default=2000, help="random off-grid points per table")
-    parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("--seed", type=int, default=12345, help="seed of the random points (default %(default)s)")
     parser.add_argument("--dense-p", type=int_at_least(2), default=4000, help="p values of the monotonicity grid")
     parser.add_argument("--dense-delta", type=int_at_least(2), default=200,
                         help="delta values of the monotonicity grid")
