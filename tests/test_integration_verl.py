@@ -3,8 +3,8 @@
 A missing verl is an error, not a skip: CI installs the pinned packages. Set
 BANDPO_SKIP_INTEGRATIONS=1 to skip this module on a machine without them.
 
-The loss implementation compared against is `bandpo_lut.policy_loss`; until the fused op is
-exposed there, the fixture below puts the pure-PyTorch reference in its place (for this module only).
+The loss implementation compared against is `bandpo_lut.policy_loss` (itself held to the pure-PyTorch
+reference by tests/test_loss.py).
 """
 from __future__ import annotations
 
@@ -39,14 +39,6 @@ VERL_CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "confi
 TARGET = "bandpo_lut.integrations.verl.BandPolicyLossConfig"
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
              "seq-mean-token-sum-norm")
-
-
-@pytest.fixture(autouse=True)
-def loss_impl(monkeypatch):
-    """`bandpo_lut.policy_loss`, or the reference until the fused op is exposed."""
-    if getattr(bandpo_lut, "policy_loss", None) is None:
-        monkeypatch.setattr(bandpo_lut, "policy_loss", reference.policy_loss, raising=False)
-    return bandpo_lut.policy_loss
 
 
 @functools.lru_cache(maxsize=None)
@@ -282,7 +274,7 @@ def test_band_keys_without_target_say_to_set_it():
     assert PolicyLossConfig(loss_mode="vanilla").loss_mode == "vanilla"
 
 
-def test_plain_config_route_uses_the_papers_settings(loss_impl):
+def test_plain_config_route_uses_the_papers_settings():
     """loss_mode=bandpo without our _target_ (the external_lib / VERL_USE_EXTERNAL_MODULES route):
     the loss uses the defaults, which are the paper's (cap 10, dual clip 10)."""
     cfg = actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=bandpo", band=False)
@@ -290,7 +282,7 @@ def test_plain_config_route_uses_the_papers_settings(loss_impl):
     b = make_batch(7, spread=3.0)
     loss, grad, _ = run_ppo_loss(cfg, b)
     log_prob = b["new"].clone().requires_grad_(True)
-    want, want_m = loss_impl(log_prob, b["old"], b["adv"], b["response_mask"], delta=0.05,
+    want, want_m = bandpo_lut.policy_loss(log_prob, b["old"], b["adv"], b["response_mask"], delta=0.05,
                              divergence="kl", max_ratio=10.0, dual_clip=10.0)
     (want_grad,) = torch.autograd.grad(want, log_prob)
     assert_close(loss, want.detach())
@@ -371,7 +363,7 @@ def test_verl_external_modules_env_imports_the_loss():
     dict(delta=0.05, divergence="kl", max_ratio=10, dual_clip=10),
     dict(delta=0.2, divergence="kl", max_ratio=3, dual_clip=2.5),
 ], ids=["kl-uncapped", "paper", "tight"])
-def test_loss_and_grad_equal_policy_loss(loss_impl, agg, settings):
+def test_loss_and_grad_equal_policy_loss(agg, settings):
     """Through ppo_loss with a real actor config (dp 1, no global info): the same loss and
     gradient as calling bandpo_lut.policy_loss directly."""
     cfg = actor_config(*band_overrides(**settings), f"actor_rollout_ref.actor.loss_agg_mode={agg}")
@@ -379,7 +371,7 @@ def test_loss_and_grad_equal_policy_loss(loss_impl, agg, settings):
     loss, grad, metrics = run_ppo_loss(cfg, b)
 
     log_prob = b["new"].clone().requires_grad_(True)
-    want, want_m = loss_impl(log_prob, b["old"], b["adv"], b["response_mask"], agg=agg,
+    want, want_m = bandpo_lut.policy_loss(log_prob, b["old"], b["adv"], b["response_mask"], agg=agg,
                              delta=settings["delta"], divergence=settings["divergence"],
                              max_ratio=settings["max_ratio"], dual_clip=settings["dual_clip"])
     (want_grad,) = torch.autograd.grad(want, log_prob)
@@ -452,7 +444,7 @@ def test_fixed_clip_baseline_equals_verls_vanilla(agg, weights):
     assert want_m["actor/pg_clipfrac"].aggregate() > 0
 
 
-def test_metrics_are_detached_tensors_under_actor_names(loss_impl):
+def test_metrics_are_detached_tensors_under_actor_names():
     cfg = actor_config(*band_overrides(max_ratio=10, dual_clip=10))
     b = make_batch(4)
     log_prob = b["new"].clone().requires_grad_(True)

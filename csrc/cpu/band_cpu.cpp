@@ -84,7 +84,7 @@ BANDPO_INLINE void kl_finish_token_block(const FastRun& run, int64_t start, int 
   }
 }
 
-template <bool LOG, bool CLIP, bool TOKEN>
+template <bool LOG, bool CLIP, bool PER_TOKEN>
 BANDPO_INLINE void kl_f32_run(const FastRun& run) {
   const BandParams& band = *run.band;
   const float cap = static_cast<float>(band.max_ratio);
@@ -101,7 +101,7 @@ BANDPO_INLINE void kl_f32_run(const FastRun& run) {
     for (int i = 0; i < m; ++i) prob_terms_t<LOG, float>(x[start + i], p[i], one_minus_p[i], t[i]);
     // Cell indices in a vector pass of their own: fused with the gathers below, the loop runs 10x slower.
     for (int i = 0; i < m; ++i) it[i] = axis_cell<float>(t[i], tb.t_min, tb.t_step, tb.nt, ut[i]);
-    if (TOKEN) {
+    if (PER_TOKEN) {
       for (int i = 0; i < m; ++i) {
         ok[i] = delta_valid<float>(tb, dl[start + i]);
         dd[i] = delta_in_range<float>(tb, dl[start + i]);
@@ -111,7 +111,7 @@ BANDPO_INLINE void kl_f32_run(const FastRun& run) {
     } else {
       cell_cubics(cells, it, ut, q, kap, m);
     }
-    if (TOKEN) {
+    if (PER_TOKEN) {
       // Per-token δ: its tail constants (an expm1 and a log each) matter only beyond the grid in t; a
       // block with no such element skips them (kl_finish's selects then never pick the tail values).
       const float tmin = static_cast<float>(tb.t_min), tmax = static_cast<float>(tb.t_min + (tb.nt - 1) * tb.t_step);
@@ -132,7 +132,7 @@ BANDPO_INLINE void kl_f32_run(const FastRun& run) {
   }
 }
 
-template <int DIV, bool LOG, bool CLIP, bool TOKEN>
+template <int DIV, bool LOG, bool CLIP, bool PER_TOKEN>
 BANDPO_INLINE void closed_f32_run(const FastRun& run) {
   const BandParams& band = *run.band;
   const float cap = static_cast<float>(band.max_ratio);
@@ -143,9 +143,9 @@ BANDPO_INLINE void closed_f32_run(const FastRun& run) {
   for (int64_t i = 0; i < run.n; ++i) {
     double p, one_minus_p, t, l, u;
     prob_terms_t<LOG, double>(static_cast<double>(x[i]), p, one_minus_p, t);
-    const double d = TOKEN ? delta_in_range<double>(tb, static_cast<double>(dl[i])) : d0;
+    const double d = PER_TOKEN ? delta_in_range<double>(tb, static_cast<double>(dl[i])) : d0;
     closed_form_bounds(DIV, p, one_minus_p, d, l, u);
-    if (TOKEN) {
+    if (PER_TOKEN) {
       const bool ok = delta_valid<float>(tb, dl[i]);
       l = ok ? l : std::numeric_limits<double>::quiet_NaN();
       u = ok ? u : std::numeric_limits<double>::quiet_NaN();
@@ -154,20 +154,20 @@ BANDPO_INLINE void closed_f32_run(const FastRun& run) {
   }
 }
 
-template <bool LOG, bool CLIP, bool TOKEN>
+template <bool LOG, bool CLIP, bool PER_TOKEN>
 BANDPO_INLINE void f32_run_div(const FastRun& run) {
   switch (static_cast<Divergence>(run.band->divergence)) {  // exhaustive (-Werror=switch); ids checked on the host
     case kKL:
-      kl_f32_run<LOG, CLIP, TOKEN>(run);
+      kl_f32_run<LOG, CLIP, PER_TOKEN>(run);
       break;
     case kTV:
-      closed_f32_run<kTV, LOG, CLIP, TOKEN>(run);
+      closed_f32_run<kTV, LOG, CLIP, PER_TOKEN>(run);
       break;
     case kChi2:
-      closed_f32_run<kChi2, LOG, CLIP, TOKEN>(run);
+      closed_f32_run<kChi2, LOG, CLIP, PER_TOKEN>(run);
       break;
     case kHellinger:
-      closed_f32_run<kHellinger, LOG, CLIP, TOKEN>(run);
+      closed_f32_run<kHellinger, LOG, CLIP, PER_TOKEN>(run);
       break;
   }
 }

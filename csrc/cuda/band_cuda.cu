@@ -64,11 +64,11 @@ struct Slots {
 };
 
 // One element: the bounds (CLIP false: out0 = lo, out1 = up) or the clipped ratio (out0), in acc_t.
-template <typename acc_t, bool CLIP, bool TOKEN>
+template <typename acc_t, bool CLIP, bool PER_TOKEN>
 __device__ __forceinline__ void band_value(const BandParams& band, const DeltaConsts<acc_t>& c, acc_t x, acc_t d,
                                            acc_t r, acc_t& out0, acc_t& out1) {
   acc_t l, u;
-  band_element<acc_t, TOKEN>(band, c, x, d, l, u);
+  band_element<acc_t, PER_TOKEN>(band, c, x, d, l, u);
   if (CLIP) {
     out0 = clamp_like_torch<acc_t>(r, l, u);
   } else {
@@ -81,7 +81,7 @@ template <typename scalar_t, bool CLIP, int CELLS>
 __global__ void __launch_bounds__(kThreads)
     band_dense_kernel(BandParams band, const void* cells_src, int n_cells, Pointers io, int64_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
-  constexpr bool TOKEN = per_token_mode(CELLS);
+  constexpr bool PER_TOKEN = per_token_mode(CELLS);
   constexpr int V = vec_size<scalar_t>();
   using S = Slots<CLIP>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -99,13 +99,13 @@ __global__ void __launch_bounds__(kThreads)
       const Vec<scalar_t, V> xv = *reinterpret_cast<const Vec<scalar_t, V>*>(prob + i);
       Vec<scalar_t, V> rv{}, dv{}, o0, o1;
       if (CLIP) rv = *reinterpret_cast<const Vec<scalar_t, V>*>(ratio + i);
-      if (TOKEN) dv = *reinterpret_cast<const Vec<scalar_t, V>*>(delta + i);
+      if (PER_TOKEN) dv = *reinterpret_cast<const Vec<scalar_t, V>*>(delta + i);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         acc_t a0, a1 = acc_t(0);
-        band_value<acc_t, CLIP, TOKEN>(band, c, static_cast<acc_t>(xv.v[k]),
-                                       TOKEN ? static_cast<acc_t>(dv.v[k]) : c.delta,
-                                       CLIP ? static_cast<acc_t>(rv.v[k]) : acc_t(0), a0, a1);
+        band_value<acc_t, CLIP, PER_TOKEN>(band, c, static_cast<acc_t>(xv.v[k]),
+                                           PER_TOKEN ? static_cast<acc_t>(dv.v[k]) : c.delta,
+                                           CLIP ? static_cast<acc_t>(rv.v[k]) : acc_t(0), a0, a1);
         o0.v[k] = static_cast<scalar_t>(a0);
         o1.v[k] = static_cast<scalar_t>(a1);
       }
@@ -114,9 +114,9 @@ __global__ void __launch_bounds__(kThreads)
     } else {
       for (int64_t j = i; j < numel; ++j) {  // the tail: fewer than V elements
         acc_t a0, a1 = acc_t(0);
-        band_value<acc_t, CLIP, TOKEN>(band, c, static_cast<acc_t>(prob[j]),
-                                       TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
-                                       CLIP ? static_cast<acc_t>(ratio[j]) : acc_t(0), a0, a1);
+        band_value<acc_t, CLIP, PER_TOKEN>(band, c, static_cast<acc_t>(prob[j]),
+                                           PER_TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
+                                           CLIP ? static_cast<acc_t>(ratio[j]) : acc_t(0), a0, a1);
         out0[j] = static_cast<scalar_t>(a0);
         if (!CLIP) out1[j] = static_cast<scalar_t>(a1);
       }
@@ -128,7 +128,7 @@ template <typename scalar_t, bool CLIP, int CELLS>
 __global__ void __launch_bounds__(kThreads) band_strided_kernel(BandParams band, const void* cells_src, int n_cells,
                                                                 Pointers io, Offsets offsets, uint32_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
-  constexpr bool TOKEN = per_token_mode(CELLS);
+  constexpr bool PER_TOKEN = per_token_mode(CELLS);
   using S = Slots<CLIP>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   set_cells<acc_t>(band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
@@ -137,11 +137,11 @@ __global__ void __launch_bounds__(kThreads) band_strided_kernel(BandParams band,
     const auto off = offsets.get(i);  // byte offsets, one per operand
     const acc_t x = static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(io.data[S::prob] + off[S::prob]));
     const acc_t d =
-        TOKEN ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(io.data[S::delta] + off[S::delta])) : c.delta;
+        PER_TOKEN ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(io.data[S::delta] + off[S::delta])) : c.delta;
     const acc_t r =
         CLIP ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(io.data[S::ratio] + off[S::ratio])) : acc_t(0);
     acc_t a0, a1 = acc_t(0);
-    band_value<acc_t, CLIP, TOKEN>(band, c, x, d, r, a0, a1);
+    band_value<acc_t, CLIP, PER_TOKEN>(band, c, x, d, r, a0, a1);
     *reinterpret_cast<scalar_t*>(io.data[0] + off[0]) = static_cast<scalar_t>(a0);
     if (!CLIP) *reinterpret_cast<scalar_t*>(io.data[1] + off[1]) = static_cast<scalar_t>(a1);
   }

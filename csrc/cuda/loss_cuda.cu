@@ -61,7 +61,7 @@ struct TileInputs {
   acc_t lp[kMaxK], olp[kMaxK], adv[kMaxK], w[kMaxK], d[kMaxK];
 };
 
-template <typename scalar_t, typename acc_t, bool TOKEN>
+template <typename scalar_t, typename acc_t, bool PER_TOKEN>
 __device__ __forceinline__ void load_tile(const LossParams& params, const LossInputs<scalar_t>& in, const Tiles& tiles,
                                           int64_t base, int64_t j0, int lane, TileInputs<acc_t>& loaded) {
 #pragma unroll
@@ -73,16 +73,16 @@ __device__ __forceinline__ void load_tile(const LossParams& params, const LossIn
     loaded.lp[k] = ok ? static_cast<acc_t>(in.lp[i]) : acc_t(0);
     loaded.olp[k] = ok ? static_cast<acc_t>(in.olp[i]) : acc_t(0);
     loaded.adv[k] = ok ? static_cast<acc_t>(in.adv[i]) : acc_t(0);
-    loaded.d[k] = (ok & TOKEN) ? static_cast<acc_t>(in.delta[i]) : acc_t(0);
+    loaded.d[k] = (ok & PER_TOKEN) ? static_cast<acc_t>(in.delta[i]) : acc_t(0);
   }
 }
 
-template <typename acc_t, bool TOKEN>
+template <typename acc_t, bool PER_TOKEN>
 __device__ __forceinline__ void token_at(const LossParams& params, const DeltaConsts<acc_t>& c,
                                          const TileInputs<acc_t>& loaded, int k, TokenTerms<acc_t>& o) {
   const acc_t p = exp_any(loaded.olp[k]);
   acc_t lo, up;
-  clip_bounds<acc_t, TOKEN>(params, c, loaded.olp[k], p, TOKEN ? loaded.d[k] : c.delta, lo, up);
+  clip_bounds<acc_t, PER_TOKEN>(params, c, loaded.olp[k], p, PER_TOKEN ? loaded.d[k] : c.delta, lo, up);
   token_terms<acc_t>(params, loaded.lp[k], loaded.olp[k], loaded.adv[k], loaded.w[k], p, lo, up, o);
 }
 
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t, WEIGHTED>)
     loss_tokens_kernel(LossParams params, const void* cells_src, int n_cells, LossInputs<scalar_t> in, Tiles tiles,
                        double2* tile_sums, double* block_counts) {
   using acc_t = at::opmath_type<scalar_t>;
-  constexpr bool TOKEN = per_token_mode(CELLS);
+  constexpr bool PER_TOKEN = per_token_mode(CELLS);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ double warp_counts[kWarpsPerBlock][kNumCounts];
   set_cells<acc_t>(params.band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
@@ -144,13 +144,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t, WEIGHTED>)
   for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; tile < tiles.count(); tile += n_warps) {
     const int64_t row = tile / tiles.per_row, part = tile - row * tiles.per_row;
     TileInputs<acc_t> loaded;
-    load_tile<scalar_t, acc_t, TOKEN>(params, in, tiles, row * tiles.n, part * tile_len, lane, loaded);
+    load_tile<scalar_t, acc_t, PER_TOKEN>(params, in, tiles, row * tiles.n, part * tile_len, lane, loaded);
     double s = 0.0, w_sum = 0.0;
 #pragma unroll
     for (int k = 0; k < kMaxK; ++k) {
       if (loaded.w[k] != acc_t(0)) {  // ignored tokens contribute nothing, whatever their inputs
         TokenTerms<acc_t> o;
-        token_at<acc_t, TOKEN>(params, c, loaded, k, o);
+        token_at<acc_t, PER_TOKEN>(params, c, loaded, k, o);
         acc.add(o, loaded.w[k]);
         s += static_cast<double>(o.value);
         w_sum += static_cast<double>(loaded.w[k]);
@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>)
     loss_grad_kernel(LossParams params, const void* cells_src, int n_cells, LossInputs<scalar_t> in, Tiles tiles,
                      const double* grad_loss, const double* row_scale, scalar_t* grad) {
   using acc_t = at::opmath_type<scalar_t>;
-  constexpr bool TOKEN = per_token_mode(CELLS);
+  constexpr bool PER_TOKEN = per_token_mode(CELLS);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   set_cells<acc_t>(params.band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
   const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(params.band.delta));
@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>)
     const int64_t base = row * tiles.n, j0 = part * tile_len;
     const acc_t gb = static_cast<acc_t>(g * row_scale[row]);
     TileInputs<acc_t> loaded;
-    load_tile<scalar_t, acc_t, TOKEN>(params, in, tiles, base, j0, lane, loaded);
+    load_tile<scalar_t, acc_t, PER_TOKEN>(params, in, tiles, base, j0, lane, loaded);
 #pragma unroll
     for (int k = 0; k < kMaxK; ++k) {
       const int64_t j = j0 + static_cast<int64_t>(k) * kWarpSize + lane;
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>)
         acc_t gi = acc_t(0);
         if (loaded.w[k] != acc_t(0)) {
           TokenTerms<acc_t> o;
-          token_at<acc_t, TOKEN>(params, c, loaded, k, o);
+          token_at<acc_t, PER_TOKEN>(params, c, loaded, k, o);
           gi = gb * o.grad;
         }
         grad[base + j] = static_cast<scalar_t>(gi);
