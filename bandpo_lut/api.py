@@ -53,7 +53,7 @@ def check_delta(delta, meta: TableMeta) -> None:
                          f"[{meta.delta_min:g}, {meta.delta_max:g}{close} ({meta.source})")
 
 
-_COEFFICIENTS: dict = {}   # (divergence, device string) -> real float32 coefficient tensor
+_COEFFICIENTS: dict = {}   # (divergence or None, device string) -> real float32 coefficient tensor (or placeholder)
 
 
 def _real_tensor_scope():
@@ -70,24 +70,34 @@ def _mark_static(t: torch.Tensor) -> torch.Tensor:
 
 
 @_constant_result
-def _table_meta(divergence: str, device: str) -> TableMeta:
-    """Load `divergence`'s table and put its coefficients on `device` (once per process and device)."""
-    table = _tables.get(divergence)
+def _table_meta(divergence: str | None, device: str) -> TableMeta:
+    """Load `divergence`'s table and put what the kernels read of it on `device` (once per process and device):
+    the coefficients of a table-read divergence; an empty (2, 0, 0) placeholder for a closed form, which takes
+    only the δ range from the header. divergence=None: no table at all (the loss's baseline clips)."""
+    from . import _extension
+    ext = _extension.load()
     key = (divergence, device)
+    if divergence is None:
+        meta = TableMeta("none", (0.0,) * len(ext.grid_fields), 0.0, 0.0, False, "no table: a baseline clip")
+    else:
+        table = _tables.get(divergence)
+        fields = {"t_min": table.t.min, "t_step": table.t.step, "s_min": table.s.min, "s_step": table.s.step,
+                  "delta_min": table.delta_min, "delta_max": table.delta_max,
+                  "delta_max_inclusive": 1.0 if table.delta_max_inclusive else 0.0}
+        grid = tuple(fields[name] for name in ext.grid_fields)   # the order of csrc/table_grid.h
+        meta = TableMeta(divergence, grid, table.delta_min, table.delta_max, table.delta_max_inclusive, table.source)
     if key not in _COEFFICIENTS:
         with _real_tensor_scope():
-            _COEFFICIENTS[key] = _mark_static(table.coefficients(device))
-    from . import _extension
-    fields = {"t_min": table.t.min, "t_step": table.t.step, "s_min": table.s.min, "s_step": table.s.step,
-              "delta_min": table.delta_min, "delta_max": table.delta_max,
-              "delta_max_inclusive": 1.0 if table.delta_max_inclusive else 0.0}
-    grid = tuple(fields[name] for name in _extension.load().grid_fields)   # the order of csrc/table_grid.h
-    return TableMeta(divergence, grid, table.delta_min, table.delta_max, table.delta_max_inclusive, table.source)
+            read = divergence is not None and divergence not in ext.closed_form_divergences
+            coefficients = table.coefficients(device) if read else torch.empty(2, 0, 0, device=device)
+            _COEFFICIENTS[key] = _mark_static(coefficients)
+    return meta
 
 
-def table_for(divergence: str, prob: torch.Tensor) -> tuple[TableMeta, torch.Tensor]:
-    """The table's constants and its coefficient tensor on prob's device, in the form the current
-    context needs (a real tensor; its fake counterpart when prob is a FakeTensor outside Dynamo)."""
+def table_for(divergence: str | None, prob: torch.Tensor) -> tuple[TableMeta, torch.Tensor]:
+    """The table's constants and the coefficient tensor the kernels read on prob's device (see `_table_meta`),
+    in the form the current context needs (a real tensor; its fake counterpart when prob is a FakeTensor
+    outside Dynamo)."""
     device = str(prob.device)
     meta = _table_meta(divergence, device)
     coefficients = _COEFFICIENTS[(divergence, device)]

@@ -56,9 +56,9 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
     lp, olp, adv = log_prob.to(dtype), old_log_prob.to(dtype), advantages.to(dtype)
     if mask is not None and mask.dtype not in (torch.bool, dtype):
         mask = mask.to(dtype)            # bool masks pass as bytes; others are weights
-    div_name = divergence if clip == "band" else "kl"   # the other clips ignore the table
-    div = _api.compiled_divergence(div_name)
-    meta, coefficients = _api.table_for(div.name, lp)
+    # The baseline clips read no table: a placeholder, and any compiled id (the kernels ignore both).
+    div = _api.compiled_divergence(divergence if clip == "band" else "kl")
+    meta, coefficients = _api.table_for(div.name if clip == "band" else None, lp)
     delta_t, delta_s = None, 0.0
     if clip == "band":
         if isinstance(delta, torch.Tensor):

@@ -47,9 +47,14 @@ inline DeltaArg resolve_delta(const c10::optional<at::Tensor>& delta, double del
   return {c10::nullopt, ok ? std::min(std::max(d, dmin), dmax) : dmin, !ok};
 }
 
+// Whether the kernels read `divergence`'s coefficient table: only a table-read divergence does. A closed form
+// takes just its δ range from `grid`, and its `table` argument may be an empty (2, 0, 0) placeholder.
+inline bool reads_table(int64_t divergence) { return !kDivergences[divergence].closed_form; }
+
+// band_applies: false for the loss's baseline clips, which read neither the table nor the δ range.
 inline void check_prob_and_delta(const char* op, const at::Tensor& prob, const c10::optional<at::Tensor>& delta,
                                  const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
-                                 double max_ratio) {
+                                 double max_ratio, bool band_applies = true) {
   TORCH_CHECK(is_supported_float(prob.scalar_type()), op,
               ": p_old/log_p_old must be float32, float64, float16 or "
               "bfloat16, got ",
@@ -63,14 +68,17 @@ inline void check_prob_and_delta(const char* op, const at::Tensor& prob, const c
     TORCH_CHECK(delta->device() == prob.device(), op, ": delta is on ", delta->device(), " but p_old is on ",
                 prob.device());
   }
+  TORCH_CHECK(divergence >= 0 && divergence < kNumDivergences, op, ": unknown divergence id ", divergence,
+              " (compiled: 0..", kNumDivergences - 1, ", csrc/divergence.h)");
   TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 3 && table.size(0) == 2 && table.is_contiguous(), op,
               ": table must be a contiguous float32 tensor of shape (2, n_t + 2, n_s + 2)");
-  TORCH_CHECK(table.size(1) >= 6 && table.size(2) >= 6, op, ": table is too small");
+  if (band_applies && reads_table(divergence)) {
+    TORCH_CHECK(table.size(1) >= 6 && table.size(2) >= 6, op, ": table of shape ", table.sizes(), " is too small for ",
+                kDivergences[divergence].name, ", which reads its table");
+  }
   TORCH_CHECK(table.device() == prob.device(), op, ": table is on ", table.device(), " but p_old is on ",
               prob.device());
   TORCH_CHECK(grid.size() == kGridLen, op, ": grid must have ", kGridLen, " entries");
-  TORCH_CHECK(divergence >= 0 && divergence < kNumDivergences, op, ": unknown divergence id ", divergence,
-              " (compiled: 0..", kNumDivergences - 1, ", csrc/divergence.h)");
   TORCH_CHECK(max_ratio >= 1.0, op, ": max_ratio must be >= 1, got ", max_ratio);
 }
 
@@ -93,8 +101,8 @@ inline BandParams make_params(const at::Tensor& table, c10::ArrayRef<double> gri
                               double delta, double max_ratio, at::ScalarType delta_dtype = at::kDouble) {
   BandParams band{};
   band.table.coef = table.data_ptr<float>();
-  band.table.nt = static_cast<int>(table.size(1)) - 2;
-  band.table.ns = static_cast<int>(table.size(2)) - 2;
+  band.table.nt = std::max(0, static_cast<int>(table.size(1)) - 2);  // 0 for a placeholder (closed forms)
+  band.table.ns = std::max(0, static_cast<int>(table.size(2)) - 2);
   band.table.t_min = grid[kTMin];
   band.table.t_step = grid[kTStep];
   band.table.s_min = grid[kSMin];
@@ -108,7 +116,7 @@ inline BandParams make_params(const at::Tensor& table, c10::ArrayRef<double> gri
   band.log_input = log_input;
   band.max_ratio = std::isnan(max_ratio) ? std::numeric_limits<double>::infinity() : max_ratio;
   band.delta = delta;
-  band.delta_js = delta_weights(band.table, delta, band.delta_ws);
+  band.delta_js = band.table.ns > 0 ? delta_weights(band.table, delta, band.delta_ws) : 0;
   band.cell_f = nullptr;
   band.cell_d = nullptr;
   return band;

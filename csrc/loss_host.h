@@ -76,7 +76,7 @@ inline LossParams make_loss_params(const at::Tensor& table, c10::ArrayRef<double
   TORCH_CHECK(dual_clip == 0.0 || dual_clip > 1.0, "policy_loss: dual_clip must be > 1 (0 for none)");
   check_prob_and_delta("policy_loss", inputs.olp,
                        inputs.delta.defined() ? c10::optional<at::Tensor>(inputs.delta) : c10::nullopt, table, grid,
-                       divergence, max_ratio);
+                       divergence, max_ratio, /*band_applies=*/clip_kind == kClipBand);
   LossParams params{};
   const DeltaArg d = resolve_delta(inputs.host_delta, delta_scalar, grid);
   TORCH_CHECK(!d.all_nan, "policy_loss: delta is outside the table's range");

@@ -1,6 +1,7 @@
 """The Python↔C++ contract: facts written on both sides must agree (a test fails when they drift)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import bandpo_lut
@@ -23,6 +24,46 @@ def test_closed_form_divergences_agree():
         if div.closed_form is not None:
             q_lo, q_up = div.closed_form(p, 1 - p, 0.05, divergences.torch_math())
             assert torch.allclose(up, q_up / p, rtol=1e-14) and torch.allclose(lo, q_lo / p, rtol=1e-14), name
+
+
+def test_closed_form_lists_agree():
+    # the kernels evaluate in closed form exactly the compiled divergences the registry gives a closed form
+    compiled = _extension.load().divergences
+    assert set(_extension.load().closed_form_divergences) == {
+        name for name in compiled if divergences.get(name).closed_form is not None}
+
+
+def test_only_a_table_read_divergence_puts_its_table_on_the_device(tmp_path):
+    """Closed forms take an empty placeholder (they need only the δ range), the baseline clips no table at all;
+    in a fresh process, so that no other test has loaded the KL table before."""
+    import subprocess
+    import sys
+
+    code = """
+import torch, bandpo_lut
+from bandpo_lut import api
+z = torch.zeros(2, 3)
+bandpo_lut.policy_loss(z, z - 0.1, z + 1, clip="fixed")
+bandpo_lut.policy_loss(z, z - 0.1, z + 1, clip="dcpo")
+for name in ("tv", "chi2", "hellinger"):
+    bandpo_lut.clip(torch.ones(3), torch.rand(3), 0.05, name)
+print(sorted((str(k[0]), tuple(v.shape)) for k, v in api._COEFFICIENTS.items()))
+bandpo_lut.bounds(torch.rand(3), 0.05, "kl")
+print(tuple(api._COEFFICIENTS[("kl", "cpu")].shape))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=tmp_path).stdout.splitlines()   # not the checkout: the installed package
+    assert out[0] == str(sorted([("None", (2, 0, 0)), ("chi2", (2, 0, 0)), ("hellinger", (2, 0, 0)),
+                                 ("tv", (2, 0, 0))]))
+    table = bandpo_lut.tables.get("kl")
+    assert out[1] == str((2, table.t.n + 2, table.s.n + 2))
+
+
+def test_a_table_read_divergence_refuses_a_placeholder_table():
+    p = torch.rand(4)
+    meta, _ = bandpo_lut.api.table_for("kl", p)
+    with pytest.raises(RuntimeError, match="too small for kl, which reads its table"):
+        torch.ops.bandpo_lut.bounds(p, None, 0.05, torch.empty(2, 0, 0), list(meta.grid), 0, False, float("inf"))
 
 
 def test_an_unknown_divergence_id_is_refused_by_the_op():
