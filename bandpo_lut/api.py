@@ -259,6 +259,7 @@ class TableArgs(NamedTuple):
 
 
 def table_args(divergence: str, device="cpu") -> TableArgs:
-    """The `table` and `grid` arguments of the ops for a shipped table on `device`."""
+    """The `table` and `grid` arguments of the ops for a shipped divergence on `device` (for a closed form, `table`
+    is the empty placeholder the kernels take)."""
     meta, coefficients = table_for(divergence, torch.empty(0, device=device))
     return TableArgs(coefficients, list(meta.grid))
