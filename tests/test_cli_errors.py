@@ -151,6 +151,12 @@ def _read_until(fd, done, seconds):
     return text
 
 
+def _default_sigint():
+    # A terminal's foreground job reacts to Ctrl-C; a test run started in the background of a non-interactive
+    # shell (nohup, `&`) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("workers", [2, 1])
 def test_ctrl_c_in_generate_prints_one_line_and_leaves_no_file(workers, tmp_path):
     """Ctrl-C reaches the terminal's whole process group, the pool's workers included."""
@@ -158,7 +164,7 @@ def test_ctrl_c_in_generate_prints_one_line_and_leaves_no_file(workers, tmp_path
     proc = subprocess.Popen([sys.executable, "-m", "bandpo_lut.cli", "generate", "--divergence", "kl", "--out",
                              str(out), "--accuracy-points", "0", "--workers", str(workers)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path, env=_env(),
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_sigint)
     try:
         fd = proc.stderr.fileno()
         # Wait until the computation has started (the progress bar shows), then interrupt.
