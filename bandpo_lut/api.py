@@ -89,7 +89,8 @@ def _table_meta(divergence: str | None, device: str) -> TableMeta:
     if key not in _COEFFICIENTS:
         with _real_tensor_scope():
             read = divergence is not None and divergence not in ext.closed_form_divergences
-            coefficients = table.coefficients(device) if read else torch.empty(2, 0, 0, device=device)
+            coefficients = (table.coefficients(device) if read  # float32, like the placeholder (whatever the default)
+                            else torch.empty(2, 0, 0, dtype=torch.float32, device=device))
             _COEFFICIENTS[key] = _mark_static(coefficients)
     return meta
 

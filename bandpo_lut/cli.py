@@ -5,7 +5,7 @@ keeps `bandpo-lut --help` fast and keeps heavy imports (matplotlib, mpmath) out 
 
 Errors a user can cause print one line and no traceback: a bad argument, found by argparse or by a
 command's `run` (which raises `UsageError`), prints the usage and `bandpo-lut COMMAND: error: ...` and
-exits 2, as argparse does; a file that cannot be read or written, or a bad table, prints
+exits 2, as argparse does; a file that cannot be read or written, a bad table, or a missing compiled extension prints
 `bandpo-lut COMMAND: error: ...` and exits 1; Ctrl-C prints `bandpo-lut COMMAND: interrupted` and exits 130.
 """
 from __future__ import annotations
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             return int(module.run(args) or 0)
         except UsageError as e:
             parsers[args.command].error(str(e))     # usage + "bandpo-lut COMMAND: error: ...", exit 2
-        except OSError as e:                        # a file that cannot be read or written
+        except (OSError, ImportError) as e:         # a file that cannot be read or written; no compiled extension
             print(f"bandpo-lut {args.command}: error: {e}", file=sys.stderr)
             return 1
         except ValueError as e:

@@ -120,6 +120,11 @@ def names() -> list[str]:
     return sorted(REGISTRY)
 
 
+def compiled_names() -> list[str]:
+    """The divergences with a compiled kernel (the ones `bounds`, `clip` and a training loss can use)."""
+    return [n for n in names() if REGISTRY[n].compiled_id is not None]
+
+
 # --- the divergences ---------------------------------------------------------------------------------
 
 def _two_product(a, b):

@@ -56,6 +56,7 @@ ARGPARSE_ERRORS = [  # rejected by argparse itself: exit status 2, the option na
     (["demo", "--good-ranks", "5"], "--good-ranks"),
     (["demo", "--lr", "-1"], "--lr"),
     (["plot", "--divergences", "kl,nope"], "unknown divergence"),
+    (["plot", "--divergences", "reverse_kl"], "the compiled ones: chi2,hellinger,kl,tv"),  # no kernel to draw
     (["plot", "--deltas", "0.05,-1"], "--deltas"),
     (["plot", "--p-min", "0"], "--p-min"),
     (["demo", "--no-such-option"], "unrecognized arguments"),
@@ -85,3 +86,16 @@ def test_bad_combinations_exit_2(argv, message, capsys, tmp_path, monkeypatch):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_missing_extension_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    from bandpo_lut import _extension
+
+    def not_built():
+        raise ImportError("bandpo_lut._C is not built (stand-in for a failed build)")
+
+    monkeypatch.setattr(_extension, "load", not_built)
+    assert main(["plot", "--out", str(tmp_path / "bands.png")]) == 1
+    err = capsys.readouterr().err
+    assert err == "bandpo-lut plot: error: bandpo_lut._C is not built (stand-in for a failed build)\n"
+    assert not (tmp_path / "bands.png").exists()

@@ -59,6 +59,33 @@ print(tuple(api._COEFFICIENTS[("kl", "cpu")].shape))
     assert out[1] == str((2, table.t.n + 2, table.s.n + 2))
 
 
+def test_placeholders_do_not_follow_the_default_dtype(tmp_path):
+    """A process whose default dtype is float64 (set before the first call) still gets float32 placeholders:
+    closed forms and baseline clips work, and agree with the references."""
+    import subprocess
+    import sys
+
+    code = """
+import torch, bandpo_lut
+from bandpo_lut.reference import policy_loss as spec
+from bandpo_lut.reference.bounds import bounds as reference_bounds
+torch.set_default_dtype(torch.float64)
+p = torch.rand(50) * 0.98 + 0.01
+for name in ("tv", "chi2", "hellinger"):
+    lo, up = bandpo_lut.bounds(p, 0.05, name)
+    rlo, rup = reference_bounds(p, 0.05, name)
+    torch.testing.assert_close((lo, up), (rlo, rup), rtol=1e-6, atol=1e-12)
+g = torch.Generator().manual_seed(0)
+lp, olp, adv = (torch.randn(4, 9, generator=g) * 0.3 - 1 for _ in range(3))
+for clip in ("fixed", "dcpo"):
+    loss, _ = bandpo_lut.policy_loss(lp, olp, adv, clip=clip)
+    torch.testing.assert_close(loss, spec.policy_loss(lp, olp, adv, clip=clip)[0])
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
 def test_a_table_read_divergence_refuses_a_placeholder_table():
     p = torch.rand(4)
     meta, _ = bandpo_lut.api.table_for("kl", p)

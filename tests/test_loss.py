@@ -248,3 +248,6 @@ def test_ratio_bounds_are_the_bounds_the_loss_applies():
         assert math.isclose(float(up[i]), min(10.0, 0.5 + 0.5 * math.sqrt(1 + 0.8 / x)), rel_tol=1e-15)
     with pytest.raises(ValueError, match="clip"):
         ratio_bounds(q, clip="ppo")
+    for clip in ("band", "fixed", "dcpo"):
+        with pytest.raises(ValueError, match="max_ratio"):
+            ratio_bounds(q, clip=clip, max_ratio=0.5)

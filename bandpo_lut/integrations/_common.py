@@ -25,7 +25,7 @@ def compiled_divergences() -> list[str]:
     """Divergences with a compiled kernel (the ones a training loss can use)."""
     from bandpo_lut import divergences
 
-    return [n for n in divergences.names() if divergences.get(n).compiled_id is not None]
+    return divergences.compiled_names()
 
 
 def check_band(divergence, delta, max_ratio, *, field: dict) -> None:
