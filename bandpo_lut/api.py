@@ -122,9 +122,6 @@ def check_tensor(name: str, x) -> None:
         raise TypeError(f"{name}: expected a floating tensor (float32, float64, float16 or bfloat16), got {x.dtype}")
 
 
-_check_tensor = check_tensor   # the name other modules used
-
-
 def compiled_divergence(divergence) -> _div.Divergence:
     """The registry entry of a divergence that has a compiled kernel, or a clear error."""
     div = _div.get(divergence)

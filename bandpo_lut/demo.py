@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .cli import max_ratio_arg
+from .cli import int_at_least, max_ratio_arg, number_in
 from .loss import policy_loss, ratio_bounds
 
 # name -> policy_loss keyword arguments; max_ratio is added from --max-ratio for dcpo and band.
@@ -366,18 +366,8 @@ def _plot_upper_bounds(ax, history: dict, cfg: Config, colors: dict) -> None:
 # argument types (argparse turns their ValueErrors/ArgumentTypeErrors into exit-2 errors)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
+_positive_int = int_at_least(1)
+_positive_float = number_in(0, lo_open=True)
 
 
 def _methods(text: str) -> list[str]:

@@ -80,6 +80,28 @@ def _uneven_t_grid(t_max, t_density):
     return None
 
 
+class GridError(ValueError):
+    """A (t_max, t_density, δ range) the readers cannot use; `detail` says why and what would do."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"generate: t_max: {detail}")
+        self.detail = detail
+
+
+def _check_grid(div, t_max, t_density, delta_min, delta_max) -> None:
+    """Raise GridError unless -t_max..t_max is a grid of step 1/t_density on which the readers' tail rules
+    hold for the whole δ range (cheap: checked before the long computation)."""
+    uneven = _uneven_t_grid(t_max, t_density)
+    if uneven:
+        raise GridError(uneven)
+    if not _tails_hold(div, t_max, delta_min, delta_max):
+        need = _smallest_t_max(div, t_max, delta_min, delta_max)
+        valid = (f"need T >= {need:g}; valid: {need:g} <= T <= {T_MAX_LIMIT:g}" if need is not None else
+                 f"do not hold for any T <= {T_MAX_LIMIT:g}; narrow the delta range")
+        raise GridError(f"{t_max:g} is too small for {div.name!r} with delta in [{delta_min:g}, {delta_max:g}]: "
+                        f"the readers' tail rules (upper = 1/p above T, lower = 0 below -T) {valid}")
+
+
 def _check_args(a):
     """The checks that involve several arguments (argparse has checked each alone); raises UsageError."""
     from .cli import UsageError
@@ -87,16 +109,10 @@ def _check_args(a):
     div = divergences.get(a.divergence)
     if not a.delta_min < a.delta_max:
         raise UsageError(f"--delta-min/--delta-max: expected min < max, got {a.delta_min:g} and {a.delta_max:g}")
-    uneven = _uneven_t_grid(a.t_max, a.t_density)
-    if uneven:
-        raise UsageError(f"--t-max: {uneven}")
-    if not _tails_hold(div, a.t_max, a.delta_min, a.delta_max):
-        need = _smallest_t_max(div, a.t_max, a.delta_min, a.delta_max)
-        valid = (f"need T >= {need:g}; valid: {need:g} <= T <= {T_MAX_LIMIT:g}" if need is not None else
-                 f"do not hold for any T <= {T_MAX_LIMIT:g}; narrow the delta range")
-        raise UsageError(f"--t-max: {a.t_max:g} is too small for {div.name!r} with delta in [{a.delta_min:g}, "
-                         f"{a.delta_max:g}]: the readers' tail rules (upper = 1/p above T, lower = 0 below -T) "
-                         f"{valid}")
+    try:
+        _check_grid(div, a.t_max, a.t_density, a.delta_min, a.delta_max)
+    except GridError as e:
+        raise UsageError(f"--t-max: {e.detail}") from None
     return div
 
 
@@ -184,13 +200,7 @@ def generate(divergence, *, t_max, t_density, delta_min, delta_max, s_nodes, gho
              accuracy_points, workers=0, progress=True, seed=DEFAULTS["seed"], command=None):
     """Compute the table; returns the encoded file bytes (deterministic for given arguments)."""
     div = divergences.get(divergence)
-    uneven = _uneven_t_grid(t_max, t_density)           # both checks are cheap: made before the long computation
-    if uneven:
-        raise ValueError(f"generate: t_max={t_max:g}: {uneven}")
-    if not _tails_hold(div, t_max, delta_min, delta_max):
-        raise ValueError(f"generate: t_max={t_max:g} is too small for {div.name!r} with delta in [{delta_min:g}, "
-                         f"{delta_max:g}]: the readers' tail rules (upper = 1/p above, lower = 0 below) would "
-                         "not hold")
+    _check_grid(div, t_max, t_density, delta_min, delta_max)   # again for API callers: 0.1 s, before minutes
     h_t = 1.0 / t_density
     n_t = int(round(2 * t_max * t_density)) + 1
     s_min, s_max = math.log(delta_min), math.log(delta_max)

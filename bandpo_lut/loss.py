@@ -81,11 +81,8 @@ def ratio_bounds(p_old: torch.Tensor, *, clip="band", delta=0.05, divergence="kl
         return _api.bounds(p_old, delta, divergence, max_ratio=max_ratio)
     if clip not in _spec.DEFAULT_EPS:
         raise ValueError(f"clip: unknown clip={clip!r}; choose one of {_spec.CLIPS}")
-    if max_ratio is not None and not (_api.is_number(max_ratio) and max_ratio >= 1):
-        raise ValueError(f"max_ratio: expected None or a number >= 1, got {max_ratio!r}")
-    default_low, default_high = _spec.DEFAULT_EPS[clip]
-    lo, up = _spec.baseline_bounds(p_old, clip, default_low if eps_low is None else eps_low,
-                                   default_high if eps_high is None else eps_high)
+    _spec.check_max_ratio(max_ratio)
+    lo, up = _spec.baseline_bounds(p_old, clip, *_spec.baseline_eps(clip, eps_low, eps_high))
     return lo, up if max_ratio is None else torch.clamp(up, max=float(max_ratio))
 
 

@@ -8,9 +8,11 @@ Both import this module; production code never imports `bandpo_lut.reference`. T
 from __future__ import annotations
 
 import math
-from numbers import Real
 
 import torch
+
+from .api import check_tensor as check_floating_tensor
+from .api import is_number as _is_number
 
 AGGS = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum")
 CLIPS = ("band", "fixed", "dcpo")
@@ -89,10 +91,6 @@ def metrics_from_counts(counts: dict) -> dict:
 # argument checks
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, Real) and not isinstance(x, bool)
-
-
 def _check_tensor(name: str, x, like: torch.Tensor | None) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"policy_loss: {name} must be a torch.Tensor, got {type(x).__name__}")
@@ -110,12 +108,10 @@ def _check_tensor(name: str, x, like: torch.Tensor | None) -> None:
 
 
 def _check_delta_tensor(delta: torch.Tensor, log_prob: torch.Tensor) -> None:
-    """A per-token δ: the same dtype rule as `bounds`/`clip` (one check, `api._check_tensor`), on
+    """A per-token δ: the same dtype rule as `bounds`/`clip` (one check, `api.check_tensor`), on
     log_prob's device, broadcastable to log_prob's shape (batch, T)."""
-    from . import api
-
     try:
-        api._check_tensor("delta", delta)
+        check_floating_tensor("delta", delta)
     except TypeError as err:
         raise TypeError(f"policy_loss: {err}") from None
     if delta.device != log_prob.device:
@@ -125,6 +121,30 @@ def _check_delta_tensor(delta: torch.Tensor, log_prob: torch.Tensor) -> None:
     if not ok:
         raise ValueError(f"policy_loss: delta has shape {tuple(delta.shape)}, which does not broadcast to "
                          f"log_prob's shape {shape}; give a number or a tensor broadcastable to (batch, T)")
+
+
+def check_max_ratio(max_ratio) -> None:
+    if max_ratio is not None and not (_is_number(max_ratio) and max_ratio >= 1):
+        raise ValueError(f"policy_loss: max_ratio must be None or a number >= 1, got {max_ratio!r}")
+
+
+def baseline_eps(clip: str, eps_low, eps_high) -> tuple[float, float]:
+    """A baseline clip's (eps_low, eps_high), defaults filled in, validated."""
+    default_low, default_high = DEFAULT_EPS[clip]
+    eps_low = default_low if eps_low is None else eps_low
+    eps_high = default_high if eps_high is None else eps_high
+    # fixed: a lower bound 1 - eps_low in [0, 1]; dcpo: eps must be > 0 (eps/p at p = 0 is 0/0).
+    low_ok = (0 <= eps_low <= 1) if clip == "fixed" else (0 < eps_low < math.inf)
+    high_ok = (0 <= eps_high < math.inf) if clip == "fixed" else (0 < eps_high < math.inf)
+    if not (_is_number(eps_low) and low_ok):
+        rng = "[0, 1]" if clip == "fixed" else "> 0"
+        raise ValueError(f"policy_loss: eps_low must be a number in {rng} for clip={clip!r}, "
+                         f"got {eps_low!r}")
+    if not (_is_number(eps_high) and high_ok):
+        rng = ">= 0" if clip == "fixed" else "> 0"
+        raise ValueError(f"policy_loss: eps_high must be a finite number {rng} for clip={clip!r}, "
+                         f"got {eps_high!r}")
+    return float(eps_low), float(eps_high)
 
 
 def check_args(log_prob, old_log_prob, advantages, mask, delta, divergence, max_ratio,
@@ -144,8 +164,7 @@ def check_args(log_prob, old_log_prob, advantages, mask, delta, divergence, max_
             raise ValueError(f"policy_loss: unknown {name}={value!r}; choose one of {choices}")
     if dual_clip is not None and not (_is_number(dual_clip) and dual_clip > 1):
         raise ValueError(f"policy_loss: dual_clip must be None or a number > 1, got {dual_clip!r}")
-    if max_ratio is not None and not (_is_number(max_ratio) and max_ratio >= 1):
-        raise ValueError(f"policy_loss: max_ratio must be None or a number >= 1, got {max_ratio!r}")
+    check_max_ratio(max_ratio)
     if clip == "band":
         if eps_low is not None or eps_high is not None:
             raise ValueError("policy_loss: eps_low/eps_high apply to clip='fixed' or 'dcpo' only; "
@@ -157,21 +176,7 @@ def check_args(log_prob, old_log_prob, advantages, mask, delta, divergence, max_
         elif not (_is_number(delta) and 0 < delta < math.inf):
             raise ValueError(f"policy_loss: delta must be a positive number or a tensor, got {delta!r}")
         return None, None
-    default_low, default_high = DEFAULT_EPS[clip]
-    eps_low = default_low if eps_low is None else eps_low
-    eps_high = default_high if eps_high is None else eps_high
-    # fixed: a lower bound 1 - eps_low in [0, 1]; dcpo: eps must be > 0 (eps/p at p = 0 is 0/0).
-    low_ok = (0 <= eps_low <= 1) if clip == "fixed" else (0 < eps_low < math.inf)
-    high_ok = (0 <= eps_high < math.inf) if clip == "fixed" else (0 < eps_high < math.inf)
-    if not (_is_number(eps_low) and low_ok):
-        rng = "[0, 1]" if clip == "fixed" else "> 0"
-        raise ValueError(f"policy_loss: eps_low must be a number in {rng} for clip={clip!r}, "
-                         f"got {eps_low!r}")
-    if not (_is_number(eps_high) and high_ok):
-        rng = ">= 0" if clip == "fixed" else "> 0"
-        raise ValueError(f"policy_loss: eps_high must be a finite number {rng} for clip={clip!r}, "
-                         f"got {eps_high!r}")
-    return float(eps_low), float(eps_high)
+    return baseline_eps(clip, eps_low, eps_high)
 
 
 def compute_dtype(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor) -> torch.dtype:

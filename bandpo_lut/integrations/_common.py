@@ -18,6 +18,7 @@ PAPER = {"divergence": "kl", "delta": 0.05, "max_ratio": 10.0, "dual_clip": 10.0
 
 
 def is_number(x) -> bool:
+    # Not `bandpo_lut.api.is_number` (which also takes torch's symbolic numbers): that would import torch.
     return isinstance(x, Real) and not isinstance(x, bool)
 
 
