@@ -15,6 +15,7 @@ import torch
 
 import bandpo_lut
 from bandpo_lut.reference.bounds import bounds as ref_bounds
+from bandpo_lut.reference.policy_loss import policy_loss as ref_policy_loss
 
 TOL = 2e-6   # float32 ops against the float64 reference
 
@@ -45,10 +46,13 @@ def check_eager_afterwards():
     close(bandpo_lut.clip(ratio, p, 0.05), expected_clip(ratio, p), "eager clip after the first use")
     lo, up = bandpo_lut.bounds(p, 0.05)
     rlo, rup = ref_bounds(p.double(), 0.05)
-    close(up, rup, "eager bounds after the first use")
+    close(up, rup, "eager upper bounds after the first use")
+    close(lo, rlo, "eager lower bounds after the first use")
     lp, olp, adv = batch()
     loss, metrics = bandpo_lut.policy_loss(lp, olp, adv, delta=0.05)
-    assert type(loss) is torch.Tensor and torch.isfinite(loss), loss
+    ref_loss, ref_metrics = ref_policy_loss(lp.double(), olp.double(), adv.double(), delta=0.05)
+    close(loss, ref_loss, "eager policy_loss after the first use")
+    assert float(metrics["n_clipped"]) == float(ref_metrics["n_clipped"]), (metrics["n_clipped"], ref_metrics)
 
 
 def compile_clip(**kw):
