@@ -57,3 +57,17 @@ def worst(ours_lo, ours_up, ref_lo, ref_up):
     el = np.array([lower_error(a, b) if not math.isnan(a) else math.inf for a, b in zip(ours_lo, ref_lo)])
     return float(eu.max(initial=0)), float(el.max(initial=0)), int(eu.argmax()) if len(eu) else -1, \
         int(el.argmax()) if len(el) else -1
+
+
+def float32_worst(lo, up, ref_lo, ref_up):
+    """(max upper error, max lower error) of bounds computed in float32: the truth rounded to float32 first,
+    and a lower bound within two float32 subnormal spacings of it counts as exact (no float32 can do better
+    at the bottom of its range). NaN counts as infinite, as in `worst`."""
+    tiny = 2 * float(np.finfo(np.float32).tiny) * float(np.finfo(np.float32).eps)
+    with np.errstate(over="ignore"):   # a truth beyond float32's range rounds to inf, as the float32 bound does
+        rlo = np.asarray(ref_lo, dtype=np.float64).astype(np.float32).astype(np.float64)
+        rup = np.asarray(ref_up, dtype=np.float64).astype(np.float32).astype(np.float64)
+    lo, up = np.asarray(lo, dtype=np.float64), np.asarray(up, dtype=np.float64)
+    lo = np.where(np.abs(lo - rlo) <= tiny, rlo, lo)
+    eu, el, _, _ = worst(lo, up, rlo, rup)
+    return eu, el

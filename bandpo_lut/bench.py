@@ -249,10 +249,7 @@ def run(args) -> int:
             d32 = torch.from_numpy(da).float()
             lo, up = bandpo_lut.bounds(p32.to(device), d32.to(device), name)
             rlo, rup = accuracy.exact_bounds_f64(p32.double().numpy(), d32.double().numpy(), name)
-            tiny = 2 * torch.finfo(torch.float32).tiny * torch.finfo(torch.float32).eps
-            eu = max(accuracy.upper_error(a, float(torch.tensor(b).float())) for a, b in zip(up.cpu().tolist(), rup))
-            el = max(0.0 if abs(a - float(torch.tensor(b).float())) <= tiny else
-                     accuracy.lower_error(a, float(torch.tensor(b).float())) for a, b in zip(lo.cpu().tolist(), rlo))
+            eu, el = accuracy.float32_worst(lo.cpu().numpy(), up.cpu().numpy(), rlo, rup)
             worst.append((name, eu, el))
         print("accuracy of bandpo_lut.bounds (float32 in, per-token delta) vs mpmath, "
               f"{args.accuracy_points} random points each:")

@@ -164,3 +164,18 @@ def test_generate_and_verify_cli(tmp_path, capsys):
         main(["generate", "--divergence", "kl", "--s-nodes", "2"])
     with pytest.raises(SystemExit):
         main(["generate"])      # --divergence is required
+
+
+def test_float32_worst_rounds_the_truth_and_counts_nan():
+    """The error measure of the float32 accuracy figures (bench, tools/measure_accuracy.py)."""
+    worst32 = accuracy.float32_worst
+    ref_lo, ref_up = np.array([0.5 + 1e-9, 1e-46, 0.25]), np.array([1.0, 3.0, 4e40])
+    # truth rounded to float32 (0.5, 0, 4e40 -> inf): exact; an upper bound 10% high
+    eu, el = worst32([0.5, 0.0, 0.25], [1.1, 3.0, float("inf")], ref_lo, ref_up)
+    assert el == 0.0 and math.isclose(eu, 0.1, rel_tol=1e-12)
+    # NaN anywhere (not only first) is infinitely wrong
+    assert worst32([0.5, 0.0, 0.25], [1.0, 3.0, float("nan")], ref_lo, ref_up)[0] == math.inf
+    assert worst32([0.5, float("nan"), 0.25], [1.0, 3.0, float("inf")], ref_lo, ref_up)[1] == math.inf
+    # a lower bound off by more than the subnormal floor is measured, relative to r*(1 + |ln r*|)
+    _, el = worst32([0.5, 0.0, 0.26], [1.0, 3.0, float("inf")], ref_lo, ref_up)
+    assert math.isclose(el, 0.01 / (0.25 * (1 + math.log(4))), rel_tol=1e-6)

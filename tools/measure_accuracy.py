@@ -33,15 +33,6 @@ def exact_parallel(p, d, name, workers):
     return np.concatenate([a for a, _ in parts]), np.concatenate([b for _, b in parts])
 
 
-def errors(lo, up, rlo, rup):
-    tiny = 2 * torch.finfo(torch.float32).tiny * torch.finfo(torch.float32).eps
-    rup32 = torch.from_numpy(rup).float().double().tolist()
-    rlo32 = torch.from_numpy(rlo).float().double().tolist()
-    eu = max(accuracy.upper_error(a, b) for a, b in zip(up.double().tolist(), rup32))
-    el = max(0.0 if abs(a - b) <= tiny else accuracy.lower_error(a, b) for a, b in zip(lo.double().tolist(), rlo32))
-    return eu, el
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", type=int, default=100_000)
@@ -62,7 +53,7 @@ def main(argv=None) -> int:
             lo, up = bandpo_lut.bounds(p32, dd, name)
             d_exact = d32.double().numpy() if label == "per-token" else np.full(a.points, 0.05)
             rlo, rup = exact_parallel(p32.double().numpy(), d_exact, name, a.workers)
-            eu, el = errors(lo, up, rlo, rup)
+            eu, el = accuracy.float32_worst(lo.numpy(), up.numpy(), rlo, rup)
             print(f"{name:10s} {label:>10s} {eu:14.2e} {el:10.2e}", flush=True)
     return 0
 
