@@ -14,14 +14,11 @@ import struct
 
 import pytest
 import torch
+from helpers import small_kl_blob
 
 from bandpo_lut import table_format, tables
-from bandpo_lut.generate import generate
 from bandpo_lut.reference.bounds import bounds as ref_bounds
 
-# A small but valid kl table (the tail rules need |logit p| >= ~10 for δ >= 0.05).
-SMALL = dict(t_max=10.0, t_density=4, delta_min=0.05, delta_max=0.5, s_nodes=6, ghost=6, dps=30,
-             dtype="float32", accuracy_points=20, workers=1, progress=False)
 _MAGIC_LEN = 10
 _PREFIX = _MAGIC_LEN + 8
 _DELETE = object()      # as a value for `_set`: remove the field
@@ -29,7 +26,7 @@ _DELETE = object()      # as a value for `_set`: remove the field
 
 @pytest.fixture(scope="module")
 def small_blob():
-    return generate("kl", **SMALL)
+    return small_kl_blob()
 
 
 def _split(blob: bytes):

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from helpers import rel_error_lower, rel_error_upper
+from helpers import SMALL_KL, rel_error_lower, rel_error_upper, small_kl_blob
 
 from bandpo_lut import accuracy, table_format, tables
 from bandpo_lut.cli import main
@@ -16,18 +16,14 @@ from bandpo_lut.generate import generate
 from bandpo_lut.reference.bounds import bounds as ref_bounds
 from bandpo_lut.verify import monotonicity_violations
 
-# A small but valid table (the tail rules need |logit p| >= ~10 for δ >= 0.05).
-SMALL = dict(t_max=10.0, t_density=4, delta_min=0.05, delta_max=0.5, s_nodes=6, ghost=6, dps=30,
-             dtype="float32", accuracy_points=20, workers=1, progress=False)
-
 
 @pytest.fixture(scope="module")
 def small_blob():
-    return generate("kl", **SMALL)
+    return small_kl_blob()
 
 
 def test_generation_is_deterministic(small_blob):
-    assert generate("kl", **SMALL) == small_blob
+    assert generate("kl", **SMALL_KL) == small_blob
 
 
 def test_header_records_provenance(small_blob):
