@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,3 +47,31 @@ def small_kl_blob() -> bytes:
     from bandpo_lut.generate import generate
 
     return generate("kl", **SMALL_KL)
+
+
+# ---- fresh processes: how a user meets the package (first call under compile/export/trace, a CLI run) ----
+# The child imports the same bandpo_lut as this test process, wherever it is installed; no empty PYTHONPATH
+# entry (which would put the child's working directory on its path).
+
+def fresh_env(**extra) -> dict:
+    """os.environ with the tested package's parent first on PYTHONPATH, one BLAS/OpenMP thread, plus `extra`."""
+    import bandpo_lut
+
+    parent = str(Path(bandpo_lut.__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_fresh(argv, *, cwd, timeout: float = 600, env: dict | None = None,
+              check: bool = False) -> subprocess.CompletedProcess:
+    """Run `python ARGV...` in a fresh interpreter (text output captured). `argv` is e.g. ["-c", code] or
+    ["-m", "bandpo_lut.cli", "info"]. With check=True a non-zero exit fails the test with both streams."""
+    proc = subprocess.run([sys.executable, *map(str, argv)], cwd=cwd, env=env or fresh_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"python {' '.join(map(str, argv))[:200]} exited {proc.returncode}\n"
+                    f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}")
+    return proc
