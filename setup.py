@@ -463,6 +463,7 @@ def main() -> None:
         name="bandpo_lut",
         version=version,
         description="BandPO trust-region ratio bounds by table lookup, for PPO-family losses",
+        license="Apache-2.0",
         python_requires=">=3.10",
         packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]),
         # The compiled extension only works with the torch minor release it was built against.
