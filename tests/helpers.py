@@ -1,4 +1,5 @@
-"""Shared test helpers (imported as `from helpers import ...`): one device list, and float-aware error measures."""
+"""Shared test helpers (imported as `from helpers import ...`): the device list, float-aware error measures, a small
+generated table, and the one fresh-process runner (`run_fresh`, `fresh_env`; tests/conftest.py wraps it as `fresh`)."""
 from __future__ import annotations
 
 import functools
@@ -11,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-ALL_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                        reason="no CUDA device"))]
+# Every device a test runs on: the CUDA one is marked `cuda` and skipped without a GPU. Tests take the `device`
+# fixture (tests/conftest.py), which is parametrised over this list; parametrize("device", ALL_DEVICES) is the same.
+ALL_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device")])]
 
 
 def rel_error_upper(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

@@ -10,32 +10,20 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from helpers import fresh_env, run_fresh
 
-import bandpo_lut
 from bandpo_lut import table_format, tables
 
-# The subprocesses import the same bandpo_lut as this test process, wherever it lives.
-_PACKAGE_PARENT = str(Path(bandpo_lut.__file__).resolve().parent.parent)
 # A generate run that is quick when it runs at all (it must not, for the bad arguments below).
 QUICK = ["--t-density", "1", "--s-nodes", "4", "--ghost", "0", "--dps", "30", "--accuracy-points", "0",
          "--workers", "1", "--quiet"]
 
 
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_PARENT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                              if p])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
 def cli(*args, cwd, timeout=300):
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "bandpo_lut.cli", *map(str, args)], capture_output=True, text=True,
-                       cwd=cwd, env=_env(), timeout=timeout)
+    r = run_fresh(["-m", "bandpo_lut.cli", *args], cwd=cwd, timeout=timeout)
     r.seconds = time.monotonic() - t0
     return r
 
@@ -159,7 +147,7 @@ def test_ctrl_c_in_generate_prints_one_line_and_leaves_no_file(workers, tmp_path
     out = tmp_path / "out" / "kl.bplut"
     proc = subprocess.Popen([sys.executable, "-m", "bandpo_lut.cli", "generate", "--divergence", "kl", "--out",
                              str(out), "--accuracy-points", "0", "--workers", str(workers)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path, env=fresh_env(),
                             start_new_session=True, preexec_fn=_default_sigint)
     try:
         fd = proc.stderr.fileno()

@@ -31,11 +31,9 @@ def test_closed_form_lists_agree():
         name for name in compiled if divergences.get(name).closed_form is not None}
 
 
-def test_only_a_table_read_divergence_puts_its_table_on_the_device(tmp_path):
+def test_only_a_table_read_divergence_puts_its_table_on_the_device(fresh):
     """Closed forms take an empty placeholder (they need only the δ range), the baseline clips no table at all;
     in a fresh process, so that no other test has loaded the KL table before."""
-    import subprocess
-    import sys
 
     code = """
 import torch, bandpo_lut
@@ -49,19 +47,16 @@ print(sorted((str(k[0]), tuple(v.shape)) for k, v in api._COEFFICIENTS.items()))
 bandpo_lut.bounds(torch.rand(3), 0.05, "kl")
 print(tuple(api._COEFFICIENTS[("kl", "cpu")].shape))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=tmp_path).stdout.splitlines()   # not the checkout: the installed package
+    out = fresh(["-c", code], check=True).stdout.splitlines()
     assert out[0] == str(sorted([("None", (2, 0, 0)), ("chi2", (2, 0, 0)), ("hellinger", (2, 0, 0)),
                                  ("tv", (2, 0, 0))]))
     table = bandpo_lut.tables.get("kl")
     assert out[1] == str((2, table.t.n + 2, table.s.n + 2))
 
 
-def test_placeholders_do_not_follow_the_default_dtype(tmp_path):
+def test_placeholders_do_not_follow_the_default_dtype(fresh):
     """A process whose default dtype is float64 (set before the first call) still gets float32 placeholders:
     closed forms and baseline clips work, and agree with the references."""
-    import subprocess
-    import sys
 
     code = """
 import torch, bandpo_lut
@@ -80,7 +75,7 @@ for clip in ("fixed", "dcpo"):
     torch.testing.assert_close(loss, spec.policy_loss(lp, olp, adv, clip=clip)[0])
 print("ok")
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    r = fresh(["-c", code])
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import ALL_DEVICES, rel_error_lower, rel_error_upper
+from helpers import rel_error_lower, rel_error_upper
 
 import bandpo_lut
 from bandpo_lut import _ops  # noqa: F401  (loads the ops for the direct calls below)
@@ -27,7 +27,6 @@ def dense_kl_table(factor, device):
     return dense, grid
 
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 def test_nine_non_collapsible_dims_equal_contiguous(device):
     g = torch.Generator().manual_seed(5)
     p = torch.rand([2, 1] * 5, generator=g).to(device)               # alternating broadcasts: nothing coalesces
@@ -42,7 +41,6 @@ def test_nine_non_collapsible_dims_equal_contiguous(device):
     assert torch.equal(lo, lo2) and torch.equal(up, up2) and torch.equal(out, out2)
 
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 @pytest.mark.parametrize("factor", [4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_dense_tables(device, factor, dtype):

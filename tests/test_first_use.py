@@ -3,12 +3,10 @@ backward), torch.export, a FakeTensorMode or a δ schedule under fullgraph; each
 afterwards in the same process must be unaffected. One subprocess per scenario (tests/first_use_scenarios.py)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import fresh_env, run_fresh
 
 SCRIPT = Path(__file__).with_name("first_use_scenarios.py")
 SCENARIOS = ["compile_default", "compile_fullgraph", "compile_dynamic_loss", "compile_dynamic_clip", "export",
@@ -31,7 +29,6 @@ def inductor_cache(tmp_path_factory):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_first_use_in_a_fresh_process(scenario, tmp_path, inductor_cache):
     # run from a neutral folder, so that the installed package (with its compiled extension) is imported
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor_cache), PYTHONHASHSEED="0")
-    proc = subprocess.run([sys.executable, str(SCRIPT), scenario], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+    env = fresh_env(TORCHINDUCTOR_CACHE_DIR=inductor_cache, PYTHONHASHSEED=0)
+    proc = run_fresh([SCRIPT, scenario], cwd=tmp_path, env=env, timeout=600)
     assert proc.returncode == 0 and f"ok {scenario}" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -5,17 +5,14 @@ These need neither verl nor TRL, so BANDPO_SKIP_INTEGRATIONS does not skip them.
 """
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from helpers import run_fresh
 
-import bandpo_lut
-
-PACKAGE_ROOT = Path(bandpo_lut.__file__).resolve().parents[1]
 REPO = Path(__file__).resolve().parents[1]
 
 # The target is 0.3 s beyond `import torch`; the bound leaves room for a loaded, shared machine.
@@ -24,10 +21,7 @@ IMPORT_BOUND_S = 1.0
 
 def _importtime(code: str) -> dict[str, int]:
     """Run `code` in a fresh interpreter with -X importtime: {module: cumulative microseconds}."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = run_fresh(["-X", "importtime", "-c", code], cwd=tempfile.gettempdir(), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     times = {}
     for line in out.stderr.splitlines():
@@ -48,12 +42,9 @@ def test_import_bandpo_lut_does_not_import_dynamo():
 def test_import_bandpo_lut_costs_little_beyond_torch():
     code = ("import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
             "import bandpo_lut; print(time.perf_counter() - t1)")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), env.get("PYTHONPATH", "")])
     costs = []
     for _ in range(2):  # the best of two: the machine is shared
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                             text=True, timeout=300)
+        out = run_fresh(["-c", code], cwd=tempfile.gettempdir(), timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         costs.append(float(out.stdout.split()[-1]))
     assert min(costs) < IMPORT_BOUND_S, (f"import bandpo_lut took {min(costs):.2f} s beyond "

@@ -11,10 +11,11 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from helpers import fresh_env, run_fresh
 
 if os.environ.get("BANDPO_SKIP_INTEGRATIONS") == "1":
     pytest.skip("BANDPO_SKIP_INTEGRATIONS=1", allow_module_level=True)
@@ -34,7 +35,6 @@ import bandpo_lut.integrations.verl as bverl  # noqa: E402  (registers "bandpo")
 from bandpo_lut.reference import policy_loss as reference  # noqa: E402
 from bandpo_lut.reference.bounds import bounds as reference_bounds  # noqa: E402
 
-PACKAGE_ROOT = str(Path(bandpo_lut.__file__).resolve().parents[1])
 VERL_CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
 TARGET = "bandpo_lut.integrations.verl.BandPolicyLossConfig"
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
@@ -291,11 +291,8 @@ def test_plain_config_route_uses_the_papers_settings():
 
 
 def _run_fresh_python(code: str, **env) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ, **env)
-    # the bandpo_lut this test process imported (installed or source tree), not a guess
-    full_env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT, full_env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True,
-                          text=True, timeout=300)
+    # the bandpo_lut this test process imported (installed or source tree), not a guess: helpers.fresh_env
+    return run_fresh(["-c", code], cwd=tempfile.gettempdir(), env=fresh_env(**env), timeout=300)
 
 
 def test_a_worker_building_the_actor_config_imports_the_loss():

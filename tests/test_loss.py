@@ -6,7 +6,6 @@ import itertools
 
 import pytest
 import torch
-from helpers import ALL_DEVICES
 
 import bandpo_lut
 from bandpo_lut.reference import policy_loss as spec
@@ -37,7 +36,6 @@ def compare(fused, ref, rtol):
         torch.testing.assert_close(m1[k], m2[k], rtol=rtol, atol=rtol * 1e-2, msg=k)
 
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
 @pytest.mark.parametrize("clip,mode,agg,dual", SETTINGS)
 def test_matches_reference(device, dtype, rtol, clip, mode, agg, dual):
@@ -53,7 +51,6 @@ def test_matches_reference(device, dtype, rtol, clip, mode, agg, dual):
     torch.testing.assert_close(ga, gb, rtol=rtol, atol=rtol * 1e-3)
 
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 @pytest.mark.parametrize("divergence", ["kl", "tv", "chi2"])
 def test_band_options_per_token_delta_and_float_mask(device, divergence):
     lp, olp, adv, mask = make_batch(device, torch.float64, seed=1)
@@ -68,7 +65,6 @@ def test_band_options_per_token_delta_and_float_mask(device, divergence):
                                    rtol=1e-10, atol=1e-13)
 
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 def test_bfloat16_inputs_and_empty_mask(device):
     lp, olp, adv, mask = make_batch(device, torch.bfloat16, seed=2)
     a = lp.clone().requires_grad_()
@@ -114,7 +110,6 @@ def test_module_wrapper():
         bandpo_lut.BandPolicyLoss(dual_clip=1.0)
 
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 def test_torch_compile_fullgraph_matches_eager(device):
     lp, olp, adv, mask = make_batch(device, torch.float32, seed=6)
 

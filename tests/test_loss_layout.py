@@ -7,7 +7,6 @@ import itertools
 
 import pytest
 import torch
-from helpers import ALL_DEVICES
 
 import bandpo_lut
 from bandpo_lut import tables
@@ -56,7 +55,6 @@ def run(lp, olp, adv, mask, delta, divergence):
     return loss, metrics, leaf.grad
 
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 @pytest.mark.parametrize("divergence", tables.SHIPPED)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("delta_mode", ["scalar", "per-token", "per-row expanded"])
@@ -79,7 +77,6 @@ def test_every_layout_gives_the_contiguous_bits(device, divergence, dtype, delta
         assert torch.equal(got[2], ref[2]), name   # the gradient, element by element, in the leaf's layout
 
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 def test_transposed_log_prob_gets_its_own_gradient(device):
     # issue 10, item 1: a (T, B) tensor seen through .t()
     b = (torch.randn(3, 2, dtype=torch.float64, device=device) - 1).clamp(max=0).requires_grad_()

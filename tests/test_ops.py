@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import ALL_DEVICES, rel_error_lower, rel_error_upper
+from helpers import rel_error_lower, rel_error_upper
 
 import bandpo_lut
 from bandpo_lut import accuracy, exact, tables
@@ -25,7 +25,6 @@ def random_points(n, seed, t_range=(-20.0, 20.0)):
 
 # ---- accuracy ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 @pytest.mark.parametrize("name", SHIPPED)
 @pytest.mark.parametrize("per_token", [False, True])
 def test_float32_accuracy_against_mpmath(device, name, per_token):
@@ -43,7 +42,6 @@ def test_float32_accuracy_against_mpmath(device, name, per_token):
     assert el.max() <= 1e-6, (p32[el.argmax()], el.max())
 
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 @pytest.mark.parametrize("name", SHIPPED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("per_token", [False, True])
@@ -82,7 +80,6 @@ def test_hellinger_closed_form_kernel():
 
 # ---- special values, dtypes, shapes -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 @pytest.mark.parametrize("name", SHIPPED)
 def test_special_values(device, name):
     p = torch.tensor([0.0, 1.0, math.nan, -0.5, 2.0], device=device)
@@ -103,7 +100,6 @@ def test_special_values(device, name):
     assert not torch.isnan(up[0]) and torch.isnan(up[1]) and torch.isnan(lo[1])
 
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs(device, dtype):
     p = torch.rand(1000, device=device).to(dtype)
@@ -128,7 +124,6 @@ def test_half_precision_inputs(device, dtype):
     torch.testing.assert_close(out, torch.clamp(ratio, lo, up), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 def test_broadcasting_noncontiguous_and_empty(device):
     g = torch.Generator().manual_seed(3)
     p = torch.rand(7, 33, generator=g).to(device).t()              # non-contiguous (33, 7)
@@ -152,7 +147,6 @@ def test_broadcasting_noncontiguous_and_empty(device):
 
 # ---- autograd ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 @pytest.mark.parametrize("name", SHIPPED)
 def test_clip_equals_clamp_forward_and_gradient(device, name):
     g = torch.Generator().manual_seed(11)
@@ -196,7 +190,6 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda r: bandpo_lut.clip(r, p[far], 0.05), (ratio,))
 
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 def test_opcheck(device):
     p = torch.rand(64, dtype=torch.float64, device=device)
     meta, coefficients = bandpo_lut.api.table_for("kl", p)
@@ -215,7 +208,6 @@ def _ppo_loss(ratio, p, adv):
     return -(torch.minimum(ratio * adv, bandpo_lut.clip(ratio, p, 0.05, max_ratio=10.0) * adv)).mean()
 
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 def test_torch_compile_fullgraph_matches_eager(device):
     g = torch.Generator().manual_seed(4)
     p = torch.sigmoid(torch.randn(512, generator=g) * 3).to(device)
@@ -263,7 +255,6 @@ def test_bad_inputs_name_the_argument():
         bandpo_lut.bounds([0.5])
 
 
-@pytest.mark.parametrize("device", ALL_DEVICES)
 def test_per_token_delta_blocks_inside_the_grid(device):
     """Blocks whose every p lies inside the table's t range take a shortcut on CPU: same results."""
     p64, d64 = random_points(600, seed=21, t_range=(-9.0, 9.0))
