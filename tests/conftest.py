@@ -6,6 +6,7 @@
   meets the package: a first call under compile/export, the CLI). It is `helpers.run_fresh` with the cwd filled
   in; module-level helpers import `run_fresh` / `fresh_env` from `helpers` directly. It is the only subprocess
   runner for Python in the tests.
+* `small_blob`: a small generated kl table's bytes (seconds of mpmath, once per session).
 * Markers (declared in pyproject.toml): `slow`, `subprocess`, `integration`, `cuda`. `pytest -m "not slow"` is the
   quick loop after an edit (docs/development.md).
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from helpers import ALL_DEVICES, run_fresh
+from helpers import ALL_DEVICES, run_fresh, small_kl_blob
 
 
 @pytest.fixture(params=ALL_DEVICES)
@@ -26,3 +27,9 @@ def device(request) -> str:
 def fresh(tmp_path):
     """run_fresh with cwd=tmp_path: a neutral folder, so the child imports the installed package, not a checkout."""
     return functools.partial(run_fresh, cwd=tmp_path)
+
+
+@pytest.fixture(scope="session")
+def small_blob() -> bytes:
+    """A small but valid generated kl table (helpers.SMALL_KL), made once per session."""
+    return small_kl_blob()

@@ -1,70 +1,23 @@
-"""Table files: format validation, deterministic generation, the CLI, and the shipped tables' accuracy
-and monotonicity through the pure-PyTorch reader, against mpmath."""
+"""Tables: deterministic generation, the shipped tables' size, accuracy and monotonicity through the pure-PyTorch
+reader against mpmath, the reference reader's special values. The file format and its refusals:
+test_tables_integrity.py; the exact solver: test_tables_exact.py; generate/verify on the command line: test_cli.py."""
 from __future__ import annotations
 
 import math
-import struct
 
 import numpy as np
 import pytest
 import torch
-from helpers import SMALL_KL, rel_error_lower, rel_error_upper, small_kl_blob
+from helpers import SMALL_KL, rel_error_lower, rel_error_upper
 
-from bandpo_lut import accuracy, table_format, tables
-from bandpo_lut.cli import main
+from bandpo_lut import accuracy, tables
 from bandpo_lut.generate import generate
 from bandpo_lut.reference.bounds import bounds as ref_bounds
 from bandpo_lut.verify import monotonicity_violations
 
 
-@pytest.fixture(scope="module")
-def small_blob():
-    return small_kl_blob()
-
-
 def test_generation_is_deterministic(small_blob):
     assert generate("kl", **SMALL_KL) == small_blob
-
-
-def test_header_records_provenance(small_blob):
-    h = table_format.decode(small_blob).header
-    for key in ("divergence", "grid", "values", "interpolation", "storage_dtype", "working_precision",
-                "generator", "accuracy", "payload_sha256", "file_sha256", "banner", "delta_range", "refinement",
-                "format"):
-        assert key in h
-    assert h["working_precision"]["dps"] == 30 and h["working_precision"]["library"] == "mpmath"
-    assert h["divergence"]["formula"] == "f(u) = -log(u) + u - 1"
-    assert "do not edit" in h["banner"]
-    assert h["format"]["version"] == table_format.FORMAT_VERSION
-
-
-def test_corrupt_truncated_foreign_and_newer_files_are_refused(small_blob, tmp_path):
-    def refused(blob, match):
-        path = tmp_path / "t.bplut"
-        path.write_bytes(blob)
-        with pytest.raises(table_format.TableFormatError, match=match):
-            tables.load(path)
-
-    refused(small_blob[:-10], "truncated")
-    refused(small_blob + b"\0", "trailing")
-    flipped = bytearray(small_blob)
-    flipped[-100] ^= 0xFF
-    refused(bytes(flipped), "sha256")
-    refused(b"PK\x03\x04" + small_blob[4:], "not a bandpo_lut table")
-    refused(b"", "not a bandpo_lut table")
-    newer = small_blob[:10] + struct.pack("<I", table_format.FORMAT_VERSION + 1) + small_blob[14:]
-    refused(newer, "newer")
-    hlen = struct.unpack_from("<I", small_blob, 14)[0]
-    bad_header = small_blob[:18] + b"{" * hlen + small_blob[18 + hlen:]
-    refused(bad_header, "corrupt table header")
-
-
-def test_write_is_atomic_and_leaves_no_temporaries(small_blob, tmp_path):
-    out = tmp_path / "sub" / "kl.bplut"
-    table_format.write_atomic(out, small_blob)
-    table_format.write_atomic(out, small_blob)
-    assert out.read_bytes() == small_blob
-    assert [p.name for p in out.parent.iterdir()] == ["kl.bplut"]
 
 
 def test_delta_outside_range_is_refused():
@@ -76,13 +29,6 @@ def test_delta_outside_range_is_refused():
         ref_bounds(torch.tensor([0.5]), 1e-4, "chi2")
     lo, up = ref_bounds(torch.tensor([0.5, 0.5]), torch.tensor([0.05, 5.0]), "kl")   # tensor: NaN, no sync
     assert not torch.isnan(lo[0]) and torch.isnan(lo[1]) and torch.isnan(up[1])
-
-
-def test_unknown_divergence_and_missing_table():
-    with pytest.raises(ValueError, match="unknown divergence 'nope'"):
-        ref_bounds(torch.tensor([0.5]), 0.05, "nope")
-    with pytest.raises(FileNotFoundError, match="no table for 'reverse_kl'"):
-        ref_bounds(torch.tensor([0.5]), 0.05, "reverse_kl")
 
 
 def test_shipped_tables_are_small():
@@ -138,28 +84,6 @@ def test_reference_special_values():
         ref_bounds(p, 0.05, log_p_old=p)
     with pytest.raises(TypeError, match="float32 or float64"):
         ref_bounds(torch.tensor([1, 2]), 0.05)
-
-
-def test_generate_and_verify_cli(tmp_path, capsys):
-    out = tmp_path / "kl_small.bplut"
-    args = ["generate", "--divergence", "kl", "--out", str(out), "--t-max", "10", "--t-density", "4",
-            "--delta-min", "0.05", "--delta-max", "0.5", "--s-nodes", "6", "--ghost", "6", "--dps", "30",
-            "--accuracy-points", "10", "--workers", "2", "--quiet"]
-    assert main(args) == 0
-    assert "wrote" in capsys.readouterr().out
-    # a coarse table misses 1e-6 and must fail verify; a shipped table passes
-    assert main(["verify", str(out), "--points", "30", "--dense-p", "200", "--dense-delta", "20"]) == 1
-    assert "FAIL" in capsys.readouterr().out
-    assert main(["verify", str(tables.shipped_path("chi2")), "--points", "30", "--dense-p", "400",
-                 "--dense-delta", "40"]) == 0
-    corrupt = tmp_path / "bad.bplut"
-    corrupt.write_bytes(out.read_bytes()[:-7])
-    assert main(["verify", str(corrupt), "--points", "5"]) == 1
-    assert "truncated" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        main(["generate", "--divergence", "kl", "--s-nodes", "2"])
-    with pytest.raises(SystemExit):
-        main(["generate"])      # --divergence is required
 
 
 def test_float32_worst_rounds_the_truth_and_counts_nan():

@@ -2,7 +2,8 @@
 file's checksum (an edited header is refused, naming the file and the problem), a header that is
 malformed or inconsistent yet correctly checksummed is refused naming the file and the field, old-format
 files are refused with the command to regenerate them, and a table loaded for a divergence must be that
-divergence's table (another one copied over its file is refused)."""
+divergence's table (another one copied over its file is refused). Also the format's basics: provenance in the
+header, corrupt/truncated/foreign/newer files, atomic writes, unknown names."""
 from __future__ import annotations
 
 import copy
@@ -14,7 +15,6 @@ import struct
 
 import pytest
 import torch
-from helpers import small_kl_blob
 
 from bandpo_lut import table_format, tables
 from bandpo_lut.reference.bounds import bounds as ref_bounds
@@ -22,11 +22,6 @@ from bandpo_lut.reference.bounds import bounds as ref_bounds
 _MAGIC_LEN = 10
 _PREFIX = _MAGIC_LEN + 8
 _DELETE = object()      # as a value for `_set`: remove the field
-
-
-@pytest.fixture(scope="module")
-def small_blob():
-    return small_kl_blob()
 
 
 def _split(blob: bytes):
@@ -254,3 +249,53 @@ def test_missing_table_says_how_to_make_it(shipped_in):
     assert f"bandpo-lut generate --divergence kl --out {folder / 'kl.bplut'}" in msg, msg
     assert "bandpo_lut.reference.bounds(..., table=bandpo_lut.tables.load(PATH))" in msg, msg
     assert "pass it as table=" not in msg
+
+
+# --- 4. format basics: provenance, corrupt/truncated/foreign/newer files, atomic writes, unknown names ---------
+
+def test_header_records_provenance(small_blob):
+    h = table_format.decode(small_blob).header
+    for key in ("divergence", "grid", "values", "interpolation", "storage_dtype", "working_precision",
+                "generator", "accuracy", "payload_sha256", "file_sha256", "banner", "delta_range", "refinement",
+                "format"):
+        assert key in h
+    assert h["working_precision"]["dps"] == 30 and h["working_precision"]["library"] == "mpmath"
+    assert h["divergence"]["formula"] == "f(u) = -log(u) + u - 1"
+    assert "do not edit" in h["banner"]
+    assert h["format"]["version"] == table_format.FORMAT_VERSION
+
+
+def test_corrupt_truncated_foreign_and_newer_files_are_refused(small_blob, tmp_path):
+    def refused(blob, match):
+        path = tmp_path / "t.bplut"
+        path.write_bytes(blob)
+        with pytest.raises(table_format.TableFormatError, match=match):
+            tables.load(path)
+
+    refused(small_blob[:-10], "truncated")
+    refused(small_blob + b"\0", "trailing")
+    flipped = bytearray(small_blob)
+    flipped[-100] ^= 0xFF
+    refused(bytes(flipped), "sha256")
+    refused(b"PK\x03\x04" + small_blob[4:], "not a bandpo_lut table")
+    refused(b"", "not a bandpo_lut table")
+    newer = small_blob[:10] + struct.pack("<I", table_format.FORMAT_VERSION + 1) + small_blob[14:]
+    refused(newer, "newer")
+    hlen = struct.unpack_from("<I", small_blob, 14)[0]
+    bad_header = small_blob[:18] + b"{" * hlen + small_blob[18 + hlen:]
+    refused(bad_header, "corrupt table header")
+
+
+def test_write_is_atomic_and_leaves_no_temporaries(small_blob, tmp_path):
+    out = tmp_path / "sub" / "kl.bplut"
+    table_format.write_atomic(out, small_blob)
+    table_format.write_atomic(out, small_blob)
+    assert out.read_bytes() == small_blob
+    assert [p.name for p in out.parent.iterdir()] == ["kl.bplut"]
+
+
+def test_unknown_divergence_and_missing_table():
+    with pytest.raises(ValueError, match="unknown divergence 'nope'"):
+        ref_bounds(torch.tensor([0.5]), 0.05, "nope")
+    with pytest.raises(FileNotFoundError, match="no table for 'reverse_kl'"):
+        ref_bounds(torch.tensor([0.5]), 0.05, "reverse_kl")
