@@ -147,6 +147,7 @@ def test_demo_svg_subset_and_no_figure(tmp_path, capsys):
     assert "figure written" not in capsys.readouterr().out.split("summary")[-1]
 
 
+@pytest.mark.slow
 def test_demo_quick_shows_the_mechanism(tmp_path, capsys):
     """The acceptance run: --quick exits 0 and BandPO clips low-probability upward moves less."""
     assert main(["demo", "--quick", "--out", str(tmp_path / "demo.png")]) == 0
@@ -217,6 +218,7 @@ def test_a_missing_extension_is_one_line_not_a_traceback(tmp_path, capsys, monke
     assert not (tmp_path / "bands.png").exists()
 
 
+@pytest.mark.slow
 def test_generate_and_verify_cli(tmp_path, capsys):
     out = tmp_path / "kl_small.bplut"
     args = ["generate", "--divergence", "kl", "--out", str(out), "--t-max", "10", "--t-density", "4",

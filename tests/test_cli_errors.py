@@ -16,6 +16,10 @@ from helpers import fresh_env, run_fresh
 
 from bandpo_lut import table_format, tables
 
+# Each test starts Python (and most a generation) several times: seconds each. The quick loop has the in-process
+# CLI tests (test_cli.py).
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
 # A generate run that is quick when it runs at all (it must not, for the bad arguments below).
 QUICK = ["--t-density", "1", "--s-nodes", "4", "--ghost", "0", "--dps", "30", "--accuracy-points", "0",
          "--workers", "1", "--quiet"]

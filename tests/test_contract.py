@@ -31,6 +31,7 @@ def test_closed_form_lists_agree():
         name for name in compiled if divergences.get(name).closed_form is not None}
 
 
+@pytest.mark.subprocess
 def test_only_a_table_read_divergence_puts_its_table_on_the_device(fresh):
     """Closed forms take an empty placeholder (they need only the δ range), the baseline clips no table at all;
     in a fresh process, so that no other test has loaded the KL table before."""
@@ -54,6 +55,7 @@ print(tuple(api._COEFFICIENTS[("kl", "cpu")].shape))
     assert out[1] == str((2, table.t.n + 2, table.s.n + 2))
 
 
+@pytest.mark.subprocess
 def test_placeholders_do_not_follow_the_default_dtype(fresh):
     """A process whose default dtype is float64 (set before the first call) still gets float32 placeholders:
     closed forms and baseline clips work, and agree with the references."""

@@ -26,6 +26,8 @@ def inductor_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("inductor")
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_first_use_in_a_fresh_process(scenario, tmp_path, inductor_cache):
     # run from a neutral folder, so that the installed package (with its compiled extension) is imported

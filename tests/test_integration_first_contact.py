@@ -31,6 +31,7 @@ def _importtime(code: str) -> dict[str, int]:
     return times
 
 
+@pytest.mark.subprocess
 def test_import_bandpo_lut_does_not_import_dynamo():
     times = _importtime("import bandpo_lut")
     assert "bandpo_lut" in times
@@ -39,6 +40,8 @@ def test_import_bandpo_lut_does_not_import_dynamo():
                        f"it on first use instead")
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_import_bandpo_lut_costs_little_beyond_torch():
     code = ("import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
             "import bandpo_lut; print(time.perf_counter() - t1)")
@@ -51,6 +54,7 @@ def test_import_bandpo_lut_costs_little_beyond_torch():
                                          f"import torch (target 0.3 s)")
 
 
+@pytest.mark.subprocess
 def test_integrations_package_imports_no_trainer():
     """`bandpo_lut.integrations` itself imports neither framework (nor transformers)."""
     times = _importtime("import bandpo_lut.integrations, bandpo_lut.integrations._common")

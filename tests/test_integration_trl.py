@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Most tests here build trainers with TRL's default schedule and call the loss directly; the
 # warning that this schedule leaves the clip inert is tested on its own.
-pytestmark = pytest.mark.filterwarnings("ignore:BandGRPOTrainer. with num_iterations")
+pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:BandGRPOTrainer. with num_iterations")]
 
 
 def _reference_library_bounds(p_old=None, delta=0.05, divergence="kl", *, log_p_old=None,

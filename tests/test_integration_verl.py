@@ -37,6 +37,7 @@ from bandpo_lut.reference.bounds import bounds as reference_bounds  # noqa: E402
 
 VERL_CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
 TARGET = "bandpo_lut.integrations.verl.BandPolicyLossConfig"
+pytestmark = pytest.mark.integration
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
              "seq-mean-token-sum-norm")
 
@@ -295,6 +296,8 @@ def _run_fresh_python(code: str, **env) -> subprocess.CompletedProcess:
     return run_fresh(["-c", code], cwd=tempfile.gettempdir(), env=fresh_env(**env), timeout=300)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_worker_building_the_actor_config_imports_the_loss():
     """A fresh process that never imports bandpo_lut (a verl worker) gets "bandpo" registered by
     building the actor config, whose policy_loss _target_ names our class."""
@@ -320,6 +323,8 @@ print("OK")
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_band_keys_without_target_in_a_driver_with_external_modules():
     code = """
 import os
@@ -342,6 +347,8 @@ except Exception as e:
         out.stdout[-2000:] + out.stderr[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_verl_external_modules_env_imports_the_loss():
     out = _run_fresh_python(
         "from verl.trainer.ppo import core_algos; core_algos.get_policy_loss_fn('bandpo'); print('OK')",
@@ -532,6 +539,7 @@ def test_verl_with_a_different_loss_convention_is_refused(monkeypatch):
 # the launch script in examples/
 
 
+@pytest.mark.subprocess
 def test_example_launch_script_builds_the_papers_config(tmp_path):
     """examples/verl_bandpo.sh, run by bash with a stand-in `python3` that records its arguments:
     its command line composes with verl's config, passes verl's driver validation, and the actor's

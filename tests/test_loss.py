@@ -110,6 +110,7 @@ def test_module_wrapper():
         bandpo_lut.BandPolicyLoss(dual_clip=1.0)
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph_matches_eager(device):
     lp, olp, adv, mask = make_batch(device, torch.float32, seed=6)
 

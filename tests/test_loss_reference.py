@@ -441,10 +441,12 @@ def traceable_band(monkeypatch):
     monkeypatch.setattr(pl, "_band_bounds", lambda lp, delta, divergence: _chi2_torch(lp, delta))
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph_aot_eager(traceable_band):
     _compiled_matches_eager("aot_eager", COMPILE_SETTINGS)
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph_inductor(traceable_band):
     _compiled_matches_eager("inductor", [dict(clip="band", agg="seq-mean-token-mean", dual_clip=3.0),
                                          dict(clip="dcpo", mode="mask", max_ratio=10.0)])

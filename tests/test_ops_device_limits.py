@@ -69,6 +69,7 @@ def test_dense_tables(device, factor, dtype):
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
+@pytest.mark.cuda
 @cuda_only
 def test_cuda_loss_matches_cpu_on_many_and_long_rows():
     g = torch.Generator().manual_seed(7)
@@ -90,6 +91,7 @@ def test_cuda_loss_matches_cpu_on_many_and_long_rows():
                 torch.testing.assert_close(res[1][1][k], res[0][1][k], rtol=1e-12, atol=1e-12, msg=k)
 
 
+@pytest.mark.cuda
 @cuda_only
 def test_cuda_side_stream_and_graph_capture():
     g = torch.Generator().manual_seed(8)

@@ -16,6 +16,7 @@ from bandpo_lut.reference.bounds import bounds as ref_bounds
 from bandpo_lut.verify import monotonicity_violations
 
 
+@pytest.mark.slow
 def test_generation_is_deterministic(small_blob):
     assert generate("kl", **SMALL_KL) == small_blob
 
@@ -37,6 +38,7 @@ def test_shipped_tables_are_small():
         assert path.stat().st_size <= 512 * 1024, path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", tables.SHIPPED)
 def test_shipped_tables_accuracy_against_mpmath(name):
     table = tables.get(name)
@@ -57,6 +59,7 @@ def test_shipped_tables_accuracy_against_mpmath(name):
     assert rel_error_lower(lo32, torch.from_numpy(rlo32), torch.float32).max() <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", tables.SHIPPED)
 def test_shipped_tables_are_monotone(name):
     assert monotonicity_violations(tables.get(name), 4000, 200) == (0, 0, 0, 0)
