@@ -1,6 +1,7 @@
 """The cases that used to be CUDA-only limits (issue 13), on every available device: many non-collapsible
-dimensions, dense tables whose scalar-δ cells exceed 48 KB of shared memory, many rows and long rows; and,
-where a GPU is present, a side stream and a CUDA-graph capture (the scalar-δ cell cache)."""
+dimensions, dense tables whose scalar-δ cells exceed 48 KB of shared memory, many rows and long rows, run-to-run
+determinism; and, where a GPU is present, a side stream, a CUDA-graph capture (the scalar-δ cell cache) and more
+than 2^31 elements (64-bit indexing). tools/gpu_check.py runs these with every other CUDA test (`pytest -m cuda`)."""
 from __future__ import annotations
 
 import math
@@ -126,3 +127,45 @@ def test_cuda_side_stream_and_graph_capture():
     e_loss.backward()
     assert torch.equal(loss, e_loss) and torch.equal(static.grad, e.grad)
     assert all(torch.equal(metrics[k], e_metrics[k]) for k in metrics)
+
+
+def test_repeat_runs_are_bit_identical(device):
+    """Reductions in a fixed order: the loss, its metrics and its gradient are the same bits run after run."""
+    g = torch.Generator().manual_seed(9)
+    B, T = 16, 8195   # several warp tiles per row, a partial last tile
+    olp = torch.nn.functional.logsigmoid(torch.randn(B, T, generator=g) * 3).to(device)
+    lp = olp + (torch.randn(B, T, generator=g) * 0.2).to(device)
+    adv, mask = torch.randn(B, T, generator=g).to(device), (torch.rand(B, T, generator=g) > 0.1).to(device)
+    runs = []
+    for _ in range(3):
+        a = lp.clone().requires_grad_()
+        loss, metrics = bandpo_lut.policy_loss(a, olp, adv, mask, agg="seq-mean-token-mean", dual_clip=3.0)
+        loss.backward()
+        runs.append((loss, metrics, a.grad))
+    for loss, metrics, grad in runs[1:]:
+        assert torch.equal(loss, runs[0][0]) and torch.equal(grad, runs[0][2])
+        assert all(torch.equal(metrics[k], runs[0][1][k]) for k in metrics)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@cuda_only
+def test_cuda_more_than_2_to_the_31_elements():
+    """64-bit indexing: a dense float16 input of 2^31 + 17 elements, and a broadcast one of as many (strided, split
+    into 32-bit pieces), against the CPU op at sampled positions. Needs ~13 GB of GPU memory."""
+    g = torch.Generator().manual_seed(10)
+    n = 2 ** 31 + 17
+    p = torch.rand(n, dtype=torch.float16, device="cuda")
+    lo, up = bandpo_lut.bounds(p, 0.05)
+    idx = torch.cat([torch.arange(64), torch.randint(0, n, (4096,), generator=g), torch.arange(n - 64, n)]).cuda()
+    lo_c, up_c = bandpo_lut.bounds(p[idx].cpu(), 0.05)
+    assert rel_error_upper(up[idx], up_c).max() <= 2 ** -10
+    assert rel_error_lower(lo[idx], lo_c.double(), torch.float16).max() <= 2 ** -10
+    del p, lo, up
+    rows = torch.rand(2 ** 16 + 1, 1, device="cuda", dtype=torch.float16)
+    cols = (torch.rand(1, 2 ** 15 + 3, device="cuda") * 0.2 + 0.01).half()
+    lo, _ = bandpo_lut.bounds(rows, cols)
+    for i in (0, 1, 2 ** 15, 2 ** 16):
+        assert torch.equal(lo[i], bandpo_lut.bounds(rows[i:i + 1], cols)[0][0])
+    del lo
+    torch.cuda.empty_cache()
