@@ -82,3 +82,22 @@ def test_demo_default_figure_is_not_a_tracked_file():
     assert default is not None and not default.is_absolute()
     assert not _git_tracked(default), f"the demo's default figure {default} is a tracked file"
     assert _git_tracked(Path("docs/demo.png"))  # (the check above can fail)
+
+
+def test_readme_quick_start_runs_and_uses_the_papers_settings():
+    """The README's policy_loss quick start, as written: it runs, and its explicit settings are the paper's (which
+    the integrations default to), not policy_loss's defaults."""
+    import ast
+
+    from bandpo_lut.integrations._common import PAPER
+
+    text = (REPO / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "bandpo_lut.policy_loss(" in b]
+    assert len(blocks) == 1, "the README should have one policy_loss quick start"
+    calls = [n for n in ast.walk(ast.parse(blocks[0])) if isinstance(n, ast.Call)
+             and getattr(n.func, "attr", None) == "policy_loss"]
+    settings = {k.arg: ast.literal_eval(k.value) for k in calls[0].keywords}
+    assert settings == {"max_ratio": PAPER["max_ratio"], "dual_clip": PAPER["dual_clip"]}, (settings, PAPER)
+    namespace: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    assert namespace["log_prob"].grad is not None and namespace["loss"].dim() == 0
