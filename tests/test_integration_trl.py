@@ -130,6 +130,7 @@ def readme_trl_settings() -> dict:
 TINY_TRAINING = dict(learning_rate=0.05, max_steps=4)
 
 
+@pytest.mark.slow
 def test_readme_snippet_trains_and_the_band_clips(tmp_path):
     """The README's TRL settings on top of BandGRPOConfig's defaults (the paper's): the trainer does
     not warn that its clip is inert, trains, and the band clips tokens; every band metric is
@@ -196,6 +197,7 @@ def test_fixed_baseline_trains_and_logs_the_same_metrics(tmp_path):
         assert h["clip_ratio/region_mean"] == pytest.approx(h["band/clip_frac"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_example_script_trains_with_the_band(tmp_path, monkeypatch):
     """examples/trl_bandpo.py as a user runs it (tiny local model, offline), for a few steps: the
     paper's settings, several steps per generation, and the band clips."""
