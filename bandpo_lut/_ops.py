@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import _extension
+from .loss_spec import METRICS
 
 _extension.load()
 ops = torch.ops.bandpo_lut
@@ -77,8 +78,6 @@ _LOSS_SAVED = ("log_prob", "old_log_prob", "advantages", "mask", "delta")   # te
 
 @torch.library.register_fake("bandpo_lut::policy_loss_fwd")
 def _loss_fwd_fake(log_prob, *args):
-    from .loss_spec import METRICS
-
     return (log_prob.new_empty(()), log_prob.new_empty(len(METRICS)),
             log_prob.new_empty(log_prob.shape[0], dtype=torch.float64))
 

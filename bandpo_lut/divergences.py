@@ -64,7 +64,11 @@ class Divergence:
     # lim_{p→0} p·r_up (None when it is 0, i.e. r_up grows slower than c/p) and lim_{p→1} r_lo.
     upper_q_at_p0: Optional[Callable] = None
     lower_r_at_p1: Optional[Callable] = None
-    # Kernel id in csrc/bandpo_math.h, or None when only the pure-PyTorch reader supports it.
+    # Whether a generated table's δ range includes its top end (False where the band is trivial at δ = 1,
+    # which the default range reaches: tv, whose distance is at most 1). Recorded in the table's header.
+    delta_max_inclusive: bool = True
+    # Kernel id (csrc/divergence.h, enum Divergence; the compiled list reaches Python as
+    # `bandpo_lut._extension.load().facts["divergences"]`), or None when only the pure-PyTorch reader supports it.
     compiled_id: Optional[int] = None
     description: str = ""
 
@@ -186,7 +190,7 @@ TV = register(Divergence(
     description="total variation: r = 1 ± δ/p",
     f=lambda u, m: m.abs(u - 1) / 2,
     df=lambda u, m: m.where(u > 1, 0.5, -0.5),
-    continuation="f", lower_value="q", polish_upper=2, polish_lower=2,
+    continuation="f", lower_value="q", polish_upper=2, polish_lower=2, delta_max_inclusive=False,
     closed_form=_tv_closed,
     upper_q_at_p0=lambda d, m: d,
     lower_r_at_p1=lambda d, m: 1 - d,

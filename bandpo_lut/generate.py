@@ -35,8 +35,6 @@ from . import __version__, divergences, exact, table_format
 
 DEFAULTS = dict(t_max=14.0, t_density=16, delta_min=1e-3, delta_max=1.0, s_nodes=113, ghost=12, dps=40,
                 accuracy_points=1500, dtype="float32", seed=20261202)
-# Divergences whose band is trivial at δ = 1 have that endpoint excluded (tv: TV distance ≤ 1).
-EXCLUSIVE_DELTA_MAX = {"tv"}
 
 
 # Largest --t-max: the tail checks evaluate p = sigmoid(±T) in float64, where exp(T) must stay finite.
@@ -247,7 +245,7 @@ def generate(divergence, *, t_max, t_density, delta_min, delta_max, s_nodes, gho
             # Round once, from the mpmath value (via its 17-digit decimal image, exact for float64).
             arrays[key] = np.array([[float(mpmath.nstr(c, 17)) for c in col] for col in coef],
                                    dtype=np.float64).astype(np_dtype)
-    inclusive = div.name not in EXCLUSIVE_DELTA_MAX
+    inclusive = div.delta_max_inclusive
     header = {
         "banner": "GENERATED FILE - do not edit. Produced by `bandpo-lut generate`; regenerate with the "
                   "command under generator.command.",
@@ -321,7 +319,7 @@ def _tails_hold(div, t_max, delta_min, delta_max):
     p_hi = 1 / (1 + math.exp(-t_max))
     p_lo = 1 / (1 + math.exp(t_max))
     with mpmath.workdps(40):
-        for d in _tail_deltas(delta_min, delta_max, div.name not in EXCLUSIVE_DELTA_MAX):
+        for d in _tail_deltas(delta_min, delta_max, div.delta_max_inclusive):
             lo, _ = exact.bounds(p_lo, d, div.name)
             _, up = exact.bounds(p_hi, d, div.name)
             if not (lo < 1e-300 and abs(up * p_hi - 1) < 1e-16):

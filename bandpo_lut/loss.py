@@ -17,8 +17,10 @@ import math
 
 import torch
 
-from . import api as _api
+from . import checks as _checks
 from . import loss_spec as _spec
+from . import table_cache as _cache
+from .api import bounds
 
 COUNTS = _spec.COUNTS
 FRACTIONS = _spec.FRACTIONS
@@ -57,15 +59,15 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
     if mask is not None and mask.dtype not in (torch.bool, dtype):
         mask = mask.to(dtype)            # bool masks pass as bytes; others are weights
     # The baseline clips read no table: a placeholder, and any compiled id (the kernels ignore both).
-    div = _api.compiled_divergence(divergence if clip == "band" else "kl")
-    meta, coefficients = _api.table_for(div.name if clip == "band" else None, lp)
+    div = _checks.compiled_divergence(divergence if clip == "band" else "kl")
+    meta, coefficients = _cache.table_for(div.name if clip == "band" else None, lp)
     delta_t, delta_s = None, 0.0
     if clip == "band":
         if isinstance(delta, torch.Tensor):
             delta_t = delta.to(dtype)    # broadcast to (batch, T) inside the op
         else:
-            delta_t, delta_s = _api.scalar_delta(delta, meta)
-    loss, metrics, _ = _api._ops().policy_loss_fwd(
+            delta_t, delta_s = _cache.scalar_delta(delta, meta)
+    loss, metrics, _ = _cache.compiled_ops().policy_loss_fwd(
         lp, olp, adv, mask, delta_t, delta_s, coefficients, list(meta.grid), div.compiled_id, _spec.CLIP_ID[clip],
         float(eps_low or 0.0), float(eps_high or 0.0), math.inf if max_ratio is None else float(max_ratio),
         0.0 if dual_clip is None else float(dual_clip), _spec.MODE_ID[mode], _spec.AGG_ID[agg])
@@ -78,7 +80,7 @@ def ratio_bounds(p_old: torch.Tensor, *, clip="band", delta=0.05, divergence="kl
     (for figures and logs): the compiled band for clip="band", the baseline formulas otherwise (eps defaults
     as in `policy_loss`); the upper bound capped by max_ratio. Returned in p_old's dtype."""
     if clip == "band":
-        return _api.bounds(p_old, delta, divergence, max_ratio=max_ratio)
+        return bounds(p_old, delta, divergence, max_ratio=max_ratio)
     if clip not in _spec.DEFAULT_EPS:
         raise ValueError(f"clip: unknown clip={clip!r}; choose one of {_spec.CLIPS}")
     _spec.check_max_ratio(max_ratio)
@@ -101,9 +103,9 @@ class BandPolicyLoss(torch.nn.Module):
             z = torch.zeros(1, 1)
         _spec.check_args(z, z, z, None, delta, divergence, max_ratio, dual_clip, agg, clip, mode, eps_low, eps_high)
         if clip == "band":   # the divergence must be compiled, a number δ within its table's range
-            div = _api.compiled_divergence(divergence)
+            div = _checks.compiled_divergence(divergence)
             if not isinstance(delta, torch.Tensor):
-                _api.check_delta(float(delta), _api._table_meta(div.name, "cpu"))
+                _cache.check_delta(float(delta), _cache.table_for(div.name, z)[0])
 
     def forward(self, log_prob, old_log_prob, advantages, mask=None):
         return policy_loss(log_prob, old_log_prob, advantages, mask, **self.settings)

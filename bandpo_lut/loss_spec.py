@@ -11,8 +11,9 @@ import math
 
 import torch
 
-from .api import check_tensor as check_floating_tensor
-from .api import is_number as _is_number
+from .checks import check_max_ratio as _check_max_ratio
+from .checks import check_tensor as check_floating_tensor
+from .checks import is_number as _is_number
 
 AGGS = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum")
 CLIPS = ("band", "fixed", "dcpo")
@@ -108,7 +109,7 @@ def _check_tensor(name: str, x, like: torch.Tensor | None) -> None:
 
 
 def _check_delta_tensor(delta: torch.Tensor, log_prob: torch.Tensor) -> None:
-    """A per-token δ: the same dtype rule as `bounds`/`clip` (one check, `api.check_tensor`), on
+    """A per-token δ: the same dtype rule as `bounds`/`clip` (one check, `checks.check_tensor`), on
     log_prob's device, broadcastable to log_prob's shape (batch, T)."""
     try:
         check_floating_tensor("delta", delta)
@@ -124,8 +125,7 @@ def _check_delta_tensor(delta: torch.Tensor, log_prob: torch.Tensor) -> None:
 
 
 def check_max_ratio(max_ratio) -> None:
-    if max_ratio is not None and not (_is_number(max_ratio) and max_ratio >= 1):
-        raise ValueError(f"policy_loss: max_ratio must be None or a number >= 1, got {max_ratio!r}")
+    _check_max_ratio(max_ratio, "policy_loss: max_ratio")
 
 
 def baseline_eps(clip: str, eps_low, eps_high) -> tuple[float, float]:

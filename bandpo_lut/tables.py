@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import divergences, table_format
+from . import checks, divergences, table_format
 from .table_format import TableFormatError
 
 SHIPPED = ("kl", "tv", "chi2", "hellinger")
@@ -124,16 +124,14 @@ class Table:
     def delta_max_inclusive(self) -> bool:
         return bool(self.header["delta_range"].get("max_inclusive", True))
 
-    def delta_in_range(self, delta: float) -> bool:
-        hi_ok = delta <= self.delta_max if self.delta_max_inclusive else delta < self.delta_max
-        return self.delta_min <= delta and hi_ok
+    def delta_in_range(self, delta):
+        """Whether δ is in the table's range (element-wise for a tensor; see `checks.in_delta_range`)."""
+        return checks.in_delta_range(delta, self.delta_min, self.delta_max, self.delta_max_inclusive)
 
     def check_delta(self, delta: float) -> None:
-        """Raise a clear error for a Python-number δ outside the table's range."""
-        if not (isinstance(delta, (int, float)) and math.isfinite(delta) and self.delta_in_range(float(delta))):
-            close = "]" if self.delta_max_inclusive else ")"
-            raise ValueError(f"delta: {delta!r} is outside the {self.divergence.name!r} table's range "
-                             f"[{self.delta_min:g}, {self.delta_max:g}{close} ({self.source})")
+        """Raise a clear error for a number δ outside the table's range."""
+        checks.check_delta(delta, self.divergence.name, self.delta_min, self.delta_max, self.delta_max_inclusive,
+                           self.source)
 
     @property
     def polish_steps(self) -> tuple[int, int]:

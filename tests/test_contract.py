@@ -38,15 +38,15 @@ def test_only_a_table_read_divergence_puts_its_table_on_the_device(fresh):
 
     code = """
 import torch, bandpo_lut
-from bandpo_lut import api
+from bandpo_lut import table_cache
 z = torch.zeros(2, 3)
 bandpo_lut.policy_loss(z, z - 0.1, z + 1, clip="fixed")
 bandpo_lut.policy_loss(z, z - 0.1, z + 1, clip="dcpo")
 for name in ("tv", "chi2", "hellinger"):
     bandpo_lut.clip(torch.ones(3), torch.rand(3), 0.05, name)
-print(sorted((str(k[0]), tuple(v.shape)) for k, v in api._COEFFICIENTS.items()))
+print(sorted((str(k[0]), tuple(v.shape)) for k, v in table_cache._COEFFICIENTS.items()))
 bandpo_lut.bounds(torch.rand(3), 0.05, "kl")
-print(tuple(api._COEFFICIENTS[("kl", "cpu")].shape))
+print(tuple(table_cache._COEFFICIENTS[("kl", "cpu")].shape))
 """
     out = fresh(["-c", code], check=True).stdout.splitlines()
     assert out[0] == str(sorted([("None", (2, 0, 0)), ("chi2", (2, 0, 0)), ("hellinger", (2, 0, 0)),

@@ -1,32 +1,25 @@
 """What both trainer integrations share: the paper's settings, the validation of a band setting
 against what this build can compute (named by the user's field), and the version policy.
 
-Light on purpose: importing it imports neither torch, nor verl, nor TRL. The band checks read the
-divergence registry and the shipped table's header (`bandpo_lut.tables`), never the compiled
-extension, so a bad setting is refused when the trainer's config object is built, before any model
-loads. `check_band` is the one place the integrations ask "can bandpo_lut compute this band?".
+Light on purpose: importing it imports neither verl nor TRL (torch comes with the `bandpo_lut`
+package). The band checks are `bandpo_lut.checks`' and read the divergence registry and the shipped
+table's header (`bandpo_lut.tables`), never the compiled extension, so a bad setting is refused when
+the trainer's config object is built, before any model loads. `check_band` is the one place the
+integrations ask "can bandpo_lut compute this band?".
 """
 from __future__ import annotations
 
 import math
 import warnings
-from numbers import Real
+
+from bandpo_lut.checks import delta_interval, in_delta_range, is_number, max_ratio_ok
+from bandpo_lut.divergences import compiled_names as compiled_divergences
 
 # The paper's settings (BandPO: KL trust region, δ = 0.05, upper ratio bound capped at 10, dual
 # clip 10). Both integrations default to these; departing from them is an explicit setting.
 PAPER = {"divergence": "kl", "delta": 0.05, "max_ratio": 10.0, "dual_clip": 10.0}
 
-
-def is_number(x) -> bool:
-    # Not `bandpo_lut.api.is_number` (which also takes torch's symbolic numbers): that would import torch.
-    return isinstance(x, Real) and not isinstance(x, bool)
-
-
-def compiled_divergences() -> list[str]:
-    """Divergences with a compiled kernel (the ones a training loss can use)."""
-    from bandpo_lut import divergences
-
-    return divergences.compiled_names()
+__all__ = ["PAPER", "check_band", "check_framework", "compiled_divergences", "delta_range", "is_number"]
 
 
 def check_band(divergence, delta, max_ratio, *, field: dict) -> None:
@@ -51,12 +44,11 @@ def check_band(divergence, delta, max_ratio, *, field: dict) -> None:
         raise ValueError(f"{field['delta']} must be a positive number (the trust-region radius δ, "
                          f"paper: {PAPER['delta']}), got {delta!r}")
     lo, hi, hi_inclusive = delta_range(divergence)
-    if not (lo <= delta and (delta <= hi if hi_inclusive else delta < hi)):
+    if not in_delta_range(delta, lo, hi, hi_inclusive):
         raise ValueError(f"{field['delta']}={delta!r} is outside the range of the shipped "
-                         f"{divergence!r} table, [{lo:g}, {hi:g}{']' if hi_inclusive else ')'} "
+                         f"{divergence!r} table, {delta_interval(lo, hi, hi_inclusive)} "
                          f"(paper: {PAPER['delta']})")
-    if max_ratio is not None and not (is_number(max_ratio) and max_ratio >= 1
-                                      and not math.isnan(max_ratio)):
+    if not max_ratio_ok(max_ratio):
         raise ValueError(f"{field['max_ratio']} must be a number >= 1 (the cap of the upper ratio "
                          f"bound, paper: {PAPER['max_ratio']:g}) or None for no cap, got "
                          f"{max_ratio!r}")

@@ -64,6 +64,7 @@ from typing import Any, Optional
 import torch
 
 import bandpo_lut
+from bandpo_lut.loss_spec import CLIPS, COUNTS, MODES
 
 from ._common import PAPER, check_band, check_framework, is_number
 
@@ -115,10 +116,6 @@ _check_verl_convention()
 
 # ---------------------------------------------------------------------------------------------
 # config
-
-
-_CLIPS = ("band", "fixed", "dcpo")
-_MODES = ("clip", "mask")
 
 
 @dataclass
@@ -191,10 +188,10 @@ def _validate_band_settings(cfg) -> None:
                                                and cfg.band_dual_clip > 1):
         raise ValueError(f"{name}.band_dual_clip must be null (off) or a number > 1 (paper: "
                          f"{PAPER['dual_clip']:g}), got {cfg.band_dual_clip!r}")
-    if cfg.band_clip not in _CLIPS:
-        raise ValueError(f"{name}.band_clip must be one of {_CLIPS}, got {cfg.band_clip!r}")
-    if cfg.band_mode not in _MODES:
-        raise ValueError(f"{name}.band_mode must be one of {_MODES}, got {cfg.band_mode!r}")
+    if cfg.band_clip not in CLIPS:
+        raise ValueError(f"{name}.band_clip must be one of {CLIPS}, got {cfg.band_clip!r}")
+    if cfg.band_mode not in MODES:
+        raise ValueError(f"{name}.band_mode must be one of {MODES}, got {cfg.band_mode!r}")
     if not isinstance(cfg.band_log_counts, bool):
         raise ValueError(f"{name}.band_log_counts must be true or false, got {cfg.band_log_counts!r}")
 
@@ -361,9 +358,8 @@ def _verl_metrics(metrics: dict, log_counts: bool) -> dict[str, torch.Tensor]:
         "actor/pg_clipfrac_lower": metrics["dual_clip_frac"].detach(),
     }
     for name, value in metrics.items():
-        if name.startswith("n_") or name.endswith("_sum"):
-            if not log_counts:
-                continue
+        if name in COUNTS and not log_counts:
+            continue
         out[f"actor/bandpo/{name}"] = value.detach()
     return out
 

@@ -65,9 +65,7 @@ def _as_tensor_delta(delta, like: torch.Tensor, table) -> torch.Tensor:
         if delta.is_complex() or not delta.is_floating_point():
             raise TypeError(f"delta: expected a floating tensor, got {delta.dtype}")
         d = delta.to(device=like.device, dtype=torch.float64)
-        lo_ok = d >= table.delta_min
-        hi_ok = d <= table.delta_max if table.delta_max_inclusive else d < table.delta_max
-        return torch.where(lo_ok & hi_ok, d, torch.full_like(d, math.nan))
+        return torch.where(table.delta_in_range(d), d, torch.full_like(d, math.nan))
     if isinstance(delta, bool) or not isinstance(delta, (int, float)):
         raise TypeError(f"delta: expected a Python number or a tensor, got {type(delta).__name__}")
     table.check_delta(float(delta))
