@@ -6,9 +6,10 @@ checkout that was never built) or that does not fit the running torch: another t
 (torch's C++ ABI changes between them), or a CUDA build under a torch without CUDA or with another
 CUDA major version.
 
-What the library was built with comes from the library itself (`_C.build_info_json`, compiled in from
-the BANDPO_BUILD_* macros; see csrc/build_info.h) and, when the library cannot be loaded, from
-`bandpo_lut/_build_config.py`, which setup.py writes beside it in the same build.
+What the library was built with comes from the library itself (the "build" entry of `_C.facts_json`,
+compiled in from the BANDPO_BUILD_* macros; see csrc/build_info.h) and, when the library cannot be loaded,
+from `bandpo_lut/_build_config.py`, which setup.py writes beside it in the same build. `facts()` gives the
+whole of `_C.facts_json` (csrc/facts.h): the one way C++ facts reach Python.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ _FIELDS = ("package_version", "with_cuda", "cuda_version", "torch_version", "tor
            "cuda_arch_list", "cxx_compiler")
 
 _module: ModuleType | None = None
+_facts: dict | None = None
 
 
 def _major_minor(version: str | None) -> tuple[int, ...] | None:
@@ -52,9 +54,10 @@ def _recorded_config() -> dict | None:
 def _compiled_config(module: ModuleType) -> dict | None:
     """The facts compiled into the library, or None for a library built outside setup.py."""
     try:
-        facts = json.loads(getattr(module, "build_info_json", "null"))
+        facts = json.loads(getattr(module, "facts_json", "null") or "null")
     except ValueError:
         return None
+    facts = facts.get("build") if isinstance(facts, dict) else None
     if not isinstance(facts, dict) or facts.get("generated") is False:
         return None
     return {name: facts.get(name) for name in _FIELDS}
@@ -138,6 +141,21 @@ def load() -> ModuleType:
                           + "; ".join(problems) + ". " + _rebuild_advice())
     _module = module
     return module
+
+
+def facts() -> dict:
+    """The compiled library's facts (csrc/facts.h), parsed once: "build", "divergences" ({name: id}),
+    "closed_form_divergences", "grid_fields" (the order of the ops' grid argument) and "loss" (the fused
+    loss's option ids, sizes and thresholds). Loads the library (ImportError like `load()`)."""
+    global _facts
+    if _facts is None:
+        module = load()
+        text = getattr(module, "facts_json", None)
+        if text is None:
+            raise ImportError(f"bandpo_lut's compiled extension {module.__file__} predates this source (it has no "
+                              "facts_json). " + _rebuild_advice())
+        _facts = json.loads(text)
+    return _facts
 
 
 def build_info() -> dict:

@@ -68,7 +68,7 @@ class Divergence:
     # which the default range reaches: tv, whose distance is at most 1). Recorded in the table's header.
     delta_max_inclusive: bool = True
     # Kernel id (csrc/divergence.h, enum Divergence; the compiled list reaches Python as
-    # `bandpo_lut._extension.load().facts["divergences"]`), or None when only the pure-PyTorch reader supports it.
+    # `bandpo_lut._extension.facts()["divergences"]`), or None when only the pure-PyTorch reader supports it.
     compiled_id: Optional[int] = None
     description: str = ""
 

@@ -33,7 +33,7 @@ class TableMeta(NamedTuple):
     """What the ops need to know of a table besides its coefficients (plain constants, so that Dynamo can
     take them as the result of `_table_meta`)."""
     divergence: str
-    grid: tuple          # the ops' grid argument, in the order of bandpo_lut._C.grid_fields (csrc/table_grid.h)
+    grid: tuple          # the ops' grid argument, in the order of the facts' grid_fields (csrc/table_grid.h)
     delta_min: float
     delta_max: float
     delta_max_inclusive: bool
@@ -67,20 +67,20 @@ def _table_meta(divergence: str | None, device: str) -> TableMeta:
     the coefficients of a table-read divergence; an empty (2, 0, 0) placeholder for a closed form, which takes
     only the δ range from the header. divergence=None: no table at all (the loss's baseline clips)."""
     from . import _extension
-    ext = _extension.load()
+    facts = _extension.facts()
     key = (divergence, device)
     if divergence is None:
-        meta = TableMeta("none", (0.0,) * len(ext.grid_fields), 0.0, 0.0, False, "no table: a baseline clip")
+        meta = TableMeta("none", (0.0,) * len(facts["grid_fields"]), 0.0, 0.0, False, "no table: a baseline clip")
     else:
         table = _tables.get(divergence)
         fields = {"t_min": table.t.min, "t_step": table.t.step, "s_min": table.s.min, "s_step": table.s.step,
                   "delta_min": table.delta_min, "delta_max": table.delta_max,
                   "delta_max_inclusive": 1.0 if table.delta_max_inclusive else 0.0}
-        grid = tuple(fields[name] for name in ext.grid_fields)   # the order of csrc/table_grid.h
+        grid = tuple(fields[name] for name in facts["grid_fields"])   # the order of csrc/table_grid.h
         meta = TableMeta(divergence, grid, table.delta_min, table.delta_max, table.delta_max_inclusive, table.source)
     if key not in _COEFFICIENTS:
         with _real_tensor_scope():
-            read = divergence is not None and divergence not in ext.closed_form_divergences
+            read = divergence is not None and divergence not in facts["closed_form_divergences"]
             coefficients = (table.coefficients(device) if read  # float32, like the placeholder (whatever the default)
                             else torch.empty(2, 0, 0, dtype=torch.float32, device=device))
             _COEFFICIENTS[key] = _mark_static(coefficients)

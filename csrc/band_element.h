@@ -87,7 +87,7 @@ BANDPO_HD void band_element(const BandParams& band, const DeltaConsts<acc_t>& c,
                             acc_t& up) {
   const bool ok = !PER_TOKEN || delta_valid<acc_t>(band.table, delta);
   if (PER_TOKEN) delta = delta_in_range<acc_t>(band.table, delta);
-  if (band.divergence == kKL) {
+  if (reads_table(band.divergence)) {
     if (PER_TOKEN) {
       kl_token_delta<acc_t>(band, x, delta, lo, up);
     } else {

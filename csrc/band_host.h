@@ -47,10 +47,6 @@ inline DeltaArg resolve_delta(const c10::optional<at::Tensor>& delta, double del
   return {c10::nullopt, ok ? std::min(std::max(d, dmin), dmax) : dmin, !ok};
 }
 
-// Whether the kernels read `divergence`'s coefficient table: only a table-read divergence does. A closed form
-// takes just its δ range from `grid`, and its `table` argument may be an empty (2, 0, 0) placeholder.
-inline bool reads_table(int64_t divergence) { return !kDivergences[divergence].closed_form; }
-
 // band_applies: false for the loss's baseline clips, which read neither the table nor the δ range.
 inline void check_prob_and_delta(const char* op, const at::Tensor& prob, const c10::optional<at::Tensor>& delta,
                                  const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
@@ -72,9 +68,10 @@ inline void check_prob_and_delta(const char* op, const at::Tensor& prob, const c
               " (compiled: 0..", kNumDivergences - 1, ", csrc/divergence.h)");
   TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 3 && table.size(0) == 2 && table.is_contiguous(), op,
               ": table must be a contiguous float32 tensor of shape (2, n_t + 2, n_s + 2)");
-  if (band_applies && reads_table(divergence)) {
+  const auto div = static_cast<Divergence>(divergence);
+  if (band_applies && reads_table(div)) {
     TORCH_CHECK(table.size(1) >= 6 && table.size(2) >= 6, op, ": table of shape ", table.sizes(), " is too small for ",
-                kDivergences[divergence].name, ", which reads its table");
+                info_of(div).name, ", which reads its table");
   }
   TORCH_CHECK(table.device() == prob.device(), op, ": table is on ", table.device(), " but p_old is on ",
               prob.device());
@@ -112,7 +109,7 @@ inline BandParams make_params(const at::Tensor& table, c10::ArrayRef<double> gri
   band.table.delta_max_inclusive = grid[kDeltaMaxInclusive] != 0.0;
   band.table.valid_min = round_to(delta_dtype, grid[kDeltaMin]);
   band.table.valid_max = round_to(delta_dtype, grid[kDeltaMax]);
-  band.divergence = static_cast<int>(divergence);
+  band.divergence = static_cast<Divergence>(divergence);  // checked by check_prob_and_delta
   band.log_input = log_input;
   band.max_ratio = std::isnan(max_ratio) ? std::numeric_limits<double>::infinity() : max_ratio;
   band.delta = delta;

@@ -41,7 +41,7 @@ struct TableView {
 // Everything a kernel needs besides the element pointers.
 struct BandParams {
   TableView table;
-  int divergence;    // Divergence
+  Divergence divergence;
   bool log_input;    // the probability argument holds log p (more accurate for p near 1)
   double max_ratio;  // upper bounds are capped here (+inf: no cap)
   double delta;      // the scalar δ (when no per-token δ tensor is given)
@@ -254,21 +254,21 @@ BANDPO_HD double gap_p_minus_delta_times(double p, double delta, double one_minu
   return ((p - delta) + prod) + err;
 }
 
-BANDPO_HD void closed_form_bounds(int div, double p, double one_minus_p, double delta, double& lo, double& up) {
-  switch (static_cast<Divergence>(div)) {
-    case kTV: {  // r = 1 ± δ/p
+BANDPO_HD void closed_form_bounds(Divergence div, double p, double one_minus_p, double delta, double& lo, double& up) {
+  switch (div) {
+    case Divergence::kTV: {  // r = 1 ± δ/p
       up = (one_minus_p <= delta) ? 1.0 / p : 1.0 + delta / p;
       lo = (p <= delta) ? 0.0 : (p - delta) / p;
       break;
     }
-    case kChi2: {  // r = 1 ± sqrt(δ(1-p)/p)
+    case Divergence::kChi2: {  // r = 1 ± sqrt(δ(1-p)/p)
       const double w = sqrt(delta * one_minus_p / p);
       const double gap = gap_p_minus_delta_times(p, delta, p);  // p - δ(1-p)
       up = (one_minus_p <= delta * p) ? 1.0 / p : 1.0 + w;
       lo = (gap <= 0.0) ? 0.0 : gap / (p * (1.0 + w));
       break;
     }
-    case kHellinger: {  // √q = √p·cos α ± √(1-p)·sin α, cos α = 1 - δ/2
+    case Divergence::kHellinger: {  // √q = √p·cos α ± √(1-p)·sin α, cos α = 1 - δ/2
       // a - b is written as (p - sin²α)/(a + b) (a² - b² = p - sin²α): no cancellation near saturation.
       const double ca = 1.0 - 0.5 * delta, s2 = delta * (1.0 - 0.25 * delta);
       const double a = sqrt(p) * ca, b = sqrt(one_minus_p * s2);
@@ -278,7 +278,7 @@ BANDPO_HD void closed_form_bounds(int div, double p, double one_minus_p, double 
       lo = (gap <= 0.0) ? 0.0 : a_minus_b * a_minus_b / p;
       break;
     }
-    case kKL:  // no closed form (read from the table): never called for it
+    case Divergence::kKL:  // no closed form (read from the table): never called for it
       lo = up = 0.0 / 0.0;
       return;
   }

@@ -9,11 +9,51 @@
 
 namespace bandpo {
 
-// The ids of the string options: their position in bandpo_lut/loss_spec.py's CLIPS, MODES and AGGS.
-enum ClipKind : int { kClipBand = 0, kClipFixed = 1, kClipDcpo = 2 };
-enum LossMode : int { kModeClip = 0, kModeMask = 1 };
-enum AggKind : int { kAggTokenMean = 0, kAggTokenSum = 1, kAggSeqMeanTokenMean = 2, kAggSeqMeanTokenSum = 3 };
-enum MaskKind : int { kMaskNone = 0, kMaskBytes = 1, kMaskFloat = 2 };
+// The ids of the string options: their position in bandpo_lut/loss_spec.py's CLIPS, MODES and AGGS. Every
+// switch over them is exhaustive and has no `default:` (-Werror=switch). `name_of` gives the Python name (the
+// facts exported to Python, csrc/facts.h) and, returning null for anything else, decides which ids the host
+// accepts (option_from_id in loss_host.h): a new enumerator needs its name, or it is refused.
+enum class ClipKind : int { kBand = 0, kFixed = 1, kDcpo = 2 };
+enum class LossMode : int { kClip = 0, kMask = 1 };
+enum class AggKind : int { kTokenMean = 0, kTokenSum = 1, kSeqMeanTokenMean = 2, kSeqMeanTokenSum = 3 };
+// How the kernels read the mask (not a Python option: the host picks it from the mask's dtype).
+enum class MaskKind : int { kNone = 0, kBytes = 1, kFloat = 2 };
+
+inline const char* name_of(ClipKind k) {
+  switch (k) {
+    case ClipKind::kBand:
+      return "band";
+    case ClipKind::kFixed:
+      return "fixed";
+    case ClipKind::kDcpo:
+      return "dcpo";
+  }
+  return nullptr;
+}
+
+inline const char* name_of(LossMode m) {
+  switch (m) {
+    case LossMode::kClip:
+      return "clip";
+    case LossMode::kMask:
+      return "mask";
+  }
+  return nullptr;
+}
+
+inline const char* name_of(AggKind a) {
+  switch (a) {
+    case AggKind::kTokenMean:
+      return "token-mean";
+    case AggKind::kTokenSum:
+      return "token-sum";
+    case AggKind::kSeqMeanTokenMean:
+      return "seq-mean-token-mean";
+    case AggKind::kSeqMeanTokenSum:
+      return "seq-mean-token-sum";
+  }
+  return nullptr;
+}
 
 // Indices into the counts vector (bandpo_lut.loss_spec.COUNTS).
 enum CountIndex : int {
@@ -81,14 +121,14 @@ constexpr double kLogRatioClamp = 20.0;  // loss_spec.LOG_RATIO_CLAMP
 constexpr double kLowProb = 0.2;         // loss_spec.LOWPROB
 
 struct LossParams {
-  BandParams band;  // the band (clip_kind == kClipBand; band.log_input is true) and the max_ratio cap
-  int clip_kind;    // ClipKind
-  double eps_low;   // fixed: [1 - eps_low, 1 + eps_high]; dcpo: its two constants
+  BandParams band;  // the band (clip_kind == kBand; band.log_input is true) and the max_ratio cap
+  ClipKind clip_kind;
+  double eps_low;  // fixed: [1 - eps_low, 1 + eps_high]; dcpo: its two constants
   double eps_high;
-  double dual_clip;      // c > 1, or 0 for no dual clip
-  int mode;              // LossMode
-  int agg;               // AggKind
-  int mask_kind;         // MaskKind
+  double dual_clip;  // c > 1, or 0 for no dual clip
+  LossMode mode;
+  AggKind agg;
+  MaskKind mask_kind;
   bool per_token_delta;  // a δ tensor of the inputs' shape is given
 };
 
@@ -102,19 +142,31 @@ struct LossInputs {
   const void* mask;       // LossParams::mask_kind says how to read it; null without a mask
 };
 
-// A token's weight from the mask (MASK: MaskKind): the one decoding of the mask for every backend.
-template <int MASK, typename scalar_t, typename acc_t>
+// A token's weight from the mask: the one decoding of the mask for every backend.
+template <MaskKind MASK, typename scalar_t, typename acc_t>
 BANDPO_HD acc_t mask_weight(const void* mask, int64_t i) {
-  if (MASK == kMaskBytes) return static_cast<const uint8_t*>(mask)[i] ? acc_t(1) : acc_t(0);
-  if (MASK == kMaskFloat) return static_cast<acc_t>(static_cast<const scalar_t*>(mask)[i]);
+  switch (MASK) {
+    case MaskKind::kBytes:
+      return static_cast<const uint8_t*>(mask)[i] ? acc_t(1) : acc_t(0);
+    case MaskKind::kFloat:
+      return static_cast<acc_t>(static_cast<const scalar_t*>(mask)[i]);
+    case MaskKind::kNone:
+      return acc_t(1);
+  }
   return acc_t(1);
 }
 
 // The same for a mask kind known only at run time.
 template <typename scalar_t, typename acc_t>
-BANDPO_HD acc_t mask_weight_any(int mask_kind, const void* mask, int64_t i) {
-  if (mask_kind == kMaskBytes) return mask_weight<kMaskBytes, scalar_t, acc_t>(mask, i);
-  if (mask_kind == kMaskFloat) return mask_weight<kMaskFloat, scalar_t, acc_t>(mask, i);
+BANDPO_HD acc_t mask_weight_any(MaskKind mask_kind, const void* mask, int64_t i) {
+  switch (mask_kind) {
+    case MaskKind::kBytes:
+      return mask_weight<MaskKind::kBytes, scalar_t, acc_t>(mask, i);
+    case MaskKind::kFloat:
+      return mask_weight<MaskKind::kFloat, scalar_t, acc_t>(mask, i);
+    case MaskKind::kNone:
+      return acc_t(1);
+  }
   return acc_t(1);
 }
 
@@ -134,17 +186,20 @@ struct TokenTerms {
 template <typename acc_t, bool PER_TOKEN>
 BANDPO_HD void clip_bounds(const LossParams& params, const DeltaConsts<acc_t>& c, acc_t olp, acc_t p, acc_t dtok,
                            acc_t& lo, acc_t& up) {
-  if (params.clip_kind == kClipBand) {
-    band_element<acc_t, PER_TOKEN>(params.band, c, olp, dtok, lo, up);
-    return;
-  }
-  if (params.clip_kind == kClipFixed) {
-    lo = acc_t(1) - acc_t(params.eps_low);
-    up = acc_t(1) + acc_t(params.eps_high);
-  } else {  // kClipDcpo (make_loss_params refuses any other id): DCPO's dynamic bounds
-    const acc_t a = acc_t(1) - acc_t(4) * acc_t(params.eps_low) / p;
-    lo = acc_t(0.5) + acc_t(0.5) * sqrt(a > acc_t(0) ? a : acc_t(0));
-    up = acc_t(0.5) + acc_t(0.5) * sqrt(acc_t(1) + acc_t(4) * acc_t(params.eps_high) / p);
+  switch (params.clip_kind) {
+    case ClipKind::kBand:
+      band_element<acc_t, PER_TOKEN>(params.band, c, olp, dtok, lo, up);
+      return;
+    case ClipKind::kFixed:
+      lo = acc_t(1) - acc_t(params.eps_low);
+      up = acc_t(1) + acc_t(params.eps_high);
+      break;
+    case ClipKind::kDcpo: {  // DCPO's dynamic bounds
+      const acc_t a = acc_t(1) - acc_t(4) * acc_t(params.eps_low) / p;
+      lo = acc_t(0.5) + acc_t(0.5) * sqrt(a > acc_t(0) ? a : acc_t(0));
+      up = acc_t(0.5) + acc_t(0.5) * sqrt(acc_t(1) + acc_t(4) * acc_t(params.eps_high) / p);
+      break;
+    }
   }
   const acc_t cap = acc_t(params.band.max_ratio);
   up = up > cap ? cap : up;
@@ -169,7 +224,7 @@ BANDPO_HD void token_terms(const LossParams& params, acc_t lp, acc_t olp, acc_t 
   o.dual_clipped = has_dual & neg & (r > cdual);
   const acc_t surrogate = -adv * r;
   acc_t per = surrogate;
-  const bool clip_mode = params.mode == kModeClip;  // selects, not an if-block: the CPU loops vectorise
+  const bool clip_mode = params.mode == LossMode::kClip;  // selects, not an if-block: the CPU loops vectorise
   per = (clip_mode & o.clipped_lower) ? -adv * lo : per;
   per = (clip_mode & o.clipped_upper) ? -adv * up : per;
   per = (clip_mode & o.dual_clipped) ? -adv * cdual : per;
@@ -248,31 +303,33 @@ BANDPO_HD void add_row(LossTotals& totals, double s_b, double w_b) {
 }
 
 // The aggregated loss (as loss_spec specifies: 0, never NaN, for an empty mask).
-BANDPO_HD double aggregate_loss(int agg, const LossTotals& totals) {
+BANDPO_HD double aggregate_loss(AggKind agg, const LossTotals& totals) {
   switch (agg) {
-    case kAggTokenMean:
+    case AggKind::kTokenMean:
       return totals.w != 0.0 ? totals.s / totals.w : 0.0;
-    case kAggTokenSum:
+    case AggKind::kTokenSum:
       return totals.s;
-    case kAggSeqMeanTokenMean:
+    case AggKind::kSeqMeanTokenMean:
       return totals.n_rows != 0.0 ? totals.row_mean / totals.n_rows : 0.0;
-    default:
-      return totals.n_rows != 0.0 ? totals.s / totals.n_rows : 0.0;  // kAggSeqMeanTokenSum (ids checked on the host)
+    case AggKind::kSeqMeanTokenSum:
+      return totals.n_rows != 0.0 ? totals.s / totals.n_rows : 0.0;
   }
+  return 0.0 / 0.0;  // not an AggKind (ids are checked on the host)
 }
 
 // ∂loss/∂S_b: the backward multiplies each token's w·∂loss_t/∂log_prob_t by it.
-BANDPO_HD double row_scale(int agg, const LossTotals& totals, double w_b) {
+BANDPO_HD double row_scale(AggKind agg, const LossTotals& totals, double w_b) {
   switch (agg) {
-    case kAggTokenMean:
+    case AggKind::kTokenMean:
       return totals.w != 0.0 ? 1.0 / totals.w : 0.0;
-    case kAggTokenSum:
+    case AggKind::kTokenSum:
       return 1.0;
-    case kAggSeqMeanTokenMean:
+    case AggKind::kSeqMeanTokenMean:
       return (w_b != 0.0 && totals.n_rows != 0.0) ? 1.0 / (w_b * totals.n_rows) : 0.0;
-    default:
+    case AggKind::kSeqMeanTokenSum:
       return totals.n_rows != 0.0 ? 1.0 / totals.n_rows : 0.0;
   }
+  return 0.0 / 0.0;  // not an AggKind (ids are checked on the host)
 }
 
 // The metric vector: the counts rounded to out_t, then each fraction as the quotient of two rounded counts

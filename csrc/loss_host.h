@@ -64,32 +64,52 @@ LossInputs<scalar_t> loss_inputs(const LossTensors& inputs, int64_t row) {
   return in;
 }
 
-inline LossParams make_loss_params(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
-                                   int64_t clip_kind, double eps_low, double eps_high, double max_ratio,
-                                   double dual_clip, int64_t mode, int64_t agg, double delta_scalar,
+// The loss's settings as the ops receive them (the schema's scalar arguments, csrc/ops.cpp), by name: the
+// backends fill it with designated initialisers, so that no two adjacent doubles can be swapped unnoticed.
+struct LossSettings {
+  int64_t divergence;  // Divergence id (clip_kind == band)
+  int64_t clip_kind;   // ClipKind id
+  double eps_low;      // fixed/dcpo constants
+  double eps_high;
+  double max_ratio;  // cap of the upper bound (inf: none)
+  double dual_clip;  // c > 1, or 0 for none
+  int64_t mode;      // LossMode id
+  int64_t agg;       // AggKind id (the backward's row_scale already holds it: any valid id there)
+  double delta_scalar;
+};
+
+// An option id from Python as its enum, or a clear error: the ids `name_of` names are the valid ones.
+template <typename E>
+E option_from_id(int64_t id, const char* what) {
+  const E e = static_cast<E>(id);
+  TORCH_CHECK(id >= 0 && id <= std::numeric_limits<int>::max() && name_of(e) != nullptr, "policy_loss: unknown ", what,
+              " ", id);
+  return e;
+}
+
+inline LossParams make_loss_params(const at::Tensor& table, c10::ArrayRef<double> grid, const LossSettings& s,
                                    const LossTensors& inputs) {
-  TORCH_CHECK(clip_kind == kClipBand || clip_kind == kClipFixed || clip_kind == kClipDcpo,
-              "policy_loss: unknown clip kind ", clip_kind);
-  TORCH_CHECK(mode == kModeClip || mode == kModeMask, "policy_loss: unknown mode ", mode);
-  TORCH_CHECK(agg == kAggTokenMean || agg == kAggTokenSum || agg == kAggSeqMeanTokenMean || agg == kAggSeqMeanTokenSum,
-              "policy_loss: unknown aggregation ", agg);
-  TORCH_CHECK(dual_clip == 0.0 || dual_clip > 1.0, "policy_loss: dual_clip must be > 1 (0 for none)");
+  const ClipKind clip_kind = option_from_id<ClipKind>(s.clip_kind, "clip kind");
+  const LossMode mode = option_from_id<LossMode>(s.mode, "mode");
+  const AggKind agg = option_from_id<AggKind>(s.agg, "aggregation");
+  TORCH_CHECK(s.dual_clip == 0.0 || s.dual_clip > 1.0, "policy_loss: dual_clip must be > 1 (0 for none)");
   check_prob_and_delta("policy_loss", inputs.olp,
                        inputs.delta.defined() ? c10::optional<at::Tensor>(inputs.delta) : c10::nullopt, table, grid,
-                       divergence, max_ratio, /*band_applies=*/clip_kind == kClipBand);
+                       s.divergence, s.max_ratio, /*band_applies=*/clip_kind == ClipKind::kBand);
   LossParams params{};
-  const DeltaArg d = resolve_delta(inputs.host_delta, delta_scalar, grid);
+  const DeltaArg d = resolve_delta(inputs.host_delta, s.delta_scalar, grid);
   TORCH_CHECK(!d.all_nan, "policy_loss: delta is outside the table's range");
-  params.band = make_params(table, grid, divergence, /*log_input=*/true, d.scalar, max_ratio,  // holds the cap
+  params.band = make_params(table, grid, s.divergence, /*log_input=*/true, d.scalar, s.max_ratio,  // holds the cap
                             inputs.lp.scalar_type());
-  params.clip_kind = static_cast<int>(clip_kind);
-  params.eps_low = eps_low;
-  params.eps_high = eps_high;
-  params.dual_clip = dual_clip;
-  params.mode = static_cast<int>(mode);
-  params.agg = static_cast<int>(agg);
-  params.mask_kind =
-      !inputs.mask.defined() ? kMaskNone : (inputs.mask.scalar_type() == at::kByte ? kMaskBytes : kMaskFloat);
+  params.clip_kind = clip_kind;
+  params.eps_low = s.eps_low;
+  params.eps_high = s.eps_high;
+  params.dual_clip = s.dual_clip;
+  params.mode = mode;
+  params.agg = agg;
+  params.mask_kind = !inputs.mask.defined()                   ? MaskKind::kNone
+                     : inputs.mask.scalar_type() == at::kByte ? MaskKind::kBytes
+                                                              : MaskKind::kFloat;
   params.per_token_delta = inputs.delta.defined();
   return params;
 }

@@ -5,16 +5,12 @@
 //   delta        optional per-element δ (same dtype and device as prob, broadcastable); when absent the
 //                scalar delta_scalar is used and the table's δ axis is collapsed once per (table, δ)
 //   table        (2, n_t + 2, n_s + 2) float32 B-spline coefficients on prob's device (see tables.py)
-//   grid         [t_min, t_step, s_min, s_step, delta_min, delta_max, delta_max_inclusive]
-//   divergence   0 kl, 1 tv, 2 chi2, 3 hellinger (csrc/bandpo_math.h)
+//   grid         the table's grid and δ range, in the order of csrc/table_grid.h's GridField (Python packs it
+//                by the names in bandpo_lut._C's facts, "grid_fields")
+//   divergence   the id of csrc/divergence.h's enum Divergence (bandpo_lut.divergences' compiled_id)
 //   max_ratio    cap of the upper bound (inf: none)
 #include <ATen/ATen.h>
 #include <torch/library.h>
-
-#include <sstream>
-#include <string>
-
-#include "loss_element.h"
 
 TORCH_LIBRARY(bandpo_lut, m) {
   m.def(
@@ -39,41 +35,15 @@ TORCH_LIBRARY(bandpo_lut, m) {
       "Tensor advantages, Tensor? mask, Tensor? delta, float delta_scalar, Tensor table, float[] grid, "
       "int divergence, int clip_kind, float eps_low, float eps_high, float max_ratio, float dual_clip, "
       "int mode) -> Tensor");
-  // The C++ side of the loss's Python<->C++ contract (ids, sizes, thresholds) as JSON, for the test that
-  // keeps bandpo_lut/loss_spec.py and csrc/loss_element.h in step.
-  m.def("policy_loss_contract() -> str");
   // torch.clamp's gradient: grad where lower <= ratio <= upper, i.e. where the clipped value is the ratio.
   m.def("clip_backward(Tensor grad, Tensor ratio, Tensor clipped) -> Tensor");
 }
 
 namespace {
-std::string policy_loss_contract() {
-  using namespace bandpo;
-  std::ostringstream o;
-  o.precision(17);
-  o << "{\"clip\": {\"band\": " << kClipBand << ", \"fixed\": " << kClipFixed << ", \"dcpo\": " << kClipDcpo
-    << "}, \"mode\": {\"clip\": " << kModeClip << ", \"mask\": " << kModeMask
-    << "}, \"agg\": {\"token-mean\": " << kAggTokenMean << ", \"token-sum\": " << kAggTokenSum
-    << ", \"seq-mean-token-mean\": " << kAggSeqMeanTokenMean << ", \"seq-mean-token-sum\": " << kAggSeqMeanTokenSum
-    << "}, \"n_counts\": " << kNumCounts << ", \"n_metrics\": " << kNumMetrics
-    << ", \"log_ratio_clamp\": " << kLogRatioClamp << ", \"lowprob\": " << kLowProb << ", \"bucket_edges\": [";
-  for (int k = 0; k < kNumBuckets; ++k) o << (k ? ", " : "") << bucket_edge(k);
-  o << "], \"fractions\": [";
-  for (int f = 0; f < kNumFractions; ++f) {
-    const FractionDef d = fraction_def(f);
-    o << (f ? ", " : "") << "[" << d.num << ", " << d.den << "]";
-  }
-  o << "]}";
-  return o.str();
-}
-
 at::Tensor clip_backward(const at::Tensor& grad, const at::Tensor& ratio, const at::Tensor& clipped) {
   return at::where(clipped == ratio, grad, at::zeros({}, grad.options()));
 }
 }  // namespace
 
 // One element-wise formula serves every backend (and traces into aten ops under torch.compile).
-TORCH_LIBRARY_IMPL(bandpo_lut, CompositeImplicitAutograd, m) {
-  m.impl("clip_backward", &clip_backward);
-  m.impl("policy_loss_contract", &policy_loss_contract);
-}
+TORCH_LIBRARY_IMPL(bandpo_lut, CompositeImplicitAutograd, m) { m.impl("clip_backward", &clip_backward); }

@@ -1,4 +1,5 @@
-"""The Python↔C++ contract: facts written on both sides must agree (a test fails when they drift)."""
+"""The Python↔C++ contract: facts written on both sides must agree (a test fails when they drift). The C++
+side is read from the compiled library's facts (`_extension.facts()`, csrc/facts.h), the one way they reach Python."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ from bandpo_lut import _extension, divergences
 
 
 def test_compiled_divergence_ids_match_the_registry():
-    compiled = _extension.load().divergences          # csrc/divergence.h, as built
+    compiled = _extension.facts()["divergences"]          # csrc/divergence.h, as built
     registry = {name: divergences.get(name).compiled_id for name in divergences.names()
                 if divergences.get(name).compiled_id is not None}
     assert compiled == registry
@@ -18,7 +19,7 @@ def test_compiled_divergence_ids_match_the_registry():
 def test_closed_form_divergences_agree():
     # the kernels' closed forms are the registry's (test_closed_form_lists_agree: for the same divergences)
     p = torch.tensor([0.3], dtype=torch.float64)
-    for name in _extension.load().closed_form_divergences:
+    for name in _extension.facts()["closed_form_divergences"]:
         lo, up = bandpo_lut.bounds(p, 0.05, name)
         q_lo, q_up = divergences.get(name).closed_form(p, 1 - p, 0.05, divergences.torch_math())
         assert torch.allclose(up, q_up / p, rtol=1e-14) and torch.allclose(lo, q_lo / p, rtol=1e-14), name
@@ -26,8 +27,8 @@ def test_closed_form_divergences_agree():
 
 def test_closed_form_lists_agree():
     # the kernels evaluate in closed form exactly the compiled divergences the registry gives a closed form
-    compiled = _extension.load().divergences
-    assert set(_extension.load().closed_form_divergences) == {
+    compiled = _extension.facts()["divergences"]
+    assert set(_extension.facts()["closed_form_divergences"]) == {
         name for name in compiled if divergences.get(name).closed_form is not None}
 
 
@@ -91,20 +92,20 @@ def test_a_table_read_divergence_refuses_a_placeholder_table():
 def test_an_unknown_divergence_id_is_refused_by_the_op():
     p = torch.rand(4)
     meta, coefficients = bandpo_lut.api.table_for("kl", p)
-    n = len(_extension.load().divergences)
+    n = len(_extension.facts()["divergences"])
     with pytest.raises(RuntimeError, match="unknown divergence id"):
         torch.ops.bandpo_lut.bounds(p, None, 0.05, coefficients, list(meta.grid), n, False, float("inf"))
 
 
 def test_grid_fields_are_packed_by_name():
     # every field the C++ side reads is packed by Python under that name, in the C++ order
-    ext = _extension.load()
+    grid_fields = _extension.facts()["grid_fields"]
     meta, _ = bandpo_lut.api.table_for("tv", torch.rand(2))
     table = bandpo_lut.tables.get("tv")
     want = {"t_min": table.t.min, "t_step": table.t.step, "s_min": table.s.min, "s_step": table.s.step,
             "delta_min": table.delta_min, "delta_max": table.delta_max, "delta_max_inclusive": 0.0}
-    assert set(ext.grid_fields) == set(want)
-    assert meta.grid == tuple(want[name] for name in ext.grid_fields)
+    assert set(grid_fields) == set(want)
+    assert meta.grid == tuple(want[name] for name in grid_fields)
 
 
 def test_fake_kernels_and_autograd_follow_the_schemas():

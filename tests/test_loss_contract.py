@@ -1,17 +1,17 @@
 """The policy loss's Python<->C++ contract, checked in one place: the option ids, the metric list and its
 fractions, the bucket edges, the low-probability threshold and the log-ratio clamp (bandpo_lut/loss_spec.py
-against csrc/loss_element.h, through the op `policy_loss_contract`); the fake kernels' outputs and the
-autograd tuples against the op schemas; production code never importing the test oracle."""
+against csrc/loss_element.h, through the "loss" entry of the library's facts, csrc/facts.h); the fake
+kernels' outputs and the autograd tuples against the op schemas; production code never importing the test oracle."""
 from __future__ import annotations
 
 import ast
-import json
 import pathlib
 
 import torch
 
 import bandpo_lut
 from bandpo_lut import (
+    _extension,
     _ops,  # noqa: F401  (registers the fake kernels and autograd)
     loss_spec,
 )
@@ -20,7 +20,7 @@ ROOT = pathlib.Path(bandpo_lut.__file__).parent
 
 
 def test_python_and_cpp_agree_on_every_named_fact():
-    cpp = json.loads(torch.ops.bandpo_lut.policy_loss_contract())
+    cpp = _extension.facts()["loss"]
     assert cpp["clip"] == loss_spec.CLIP_ID
     assert cpp["mode"] == loss_spec.MODE_ID
     assert cpp["agg"] == loss_spec.AGG_ID

@@ -132,7 +132,7 @@ BANDPO_INLINE void kl_f32_run(const FastRun& run) {
   }
 }
 
-template <int DIV, bool LOG, bool CLIP, bool PER_TOKEN>
+template <Divergence DIV, bool LOG, bool CLIP, bool PER_TOKEN>
 BANDPO_INLINE void closed_f32_run(const FastRun& run) {
   const BandParams& band = *run.band;
   const float cap = static_cast<float>(band.max_ratio);
@@ -156,18 +156,18 @@ BANDPO_INLINE void closed_f32_run(const FastRun& run) {
 
 template <bool LOG, bool CLIP, bool PER_TOKEN>
 BANDPO_INLINE void f32_run_div(const FastRun& run) {
-  switch (static_cast<Divergence>(run.band->divergence)) {  // exhaustive (-Werror=switch); ids checked on the host
-    case kKL:
+  switch (run.band->divergence) {  // exhaustive (-Werror=switch); ids checked on the host
+    case Divergence::kKL:
       kl_f32_run<LOG, CLIP, PER_TOKEN>(run);
       break;
-    case kTV:
-      closed_f32_run<kTV, LOG, CLIP, PER_TOKEN>(run);
+    case Divergence::kTV:
+      closed_f32_run<Divergence::kTV, LOG, CLIP, PER_TOKEN>(run);
       break;
-    case kChi2:
-      closed_f32_run<kChi2, LOG, CLIP, PER_TOKEN>(run);
+    case Divergence::kChi2:
+      closed_f32_run<Divergence::kChi2, LOG, CLIP, PER_TOKEN>(run);
       break;
-    case kHellinger:
-      closed_f32_run<kHellinger, LOG, CLIP, PER_TOKEN>(run);
+    case Divergence::kHellinger:
+      closed_f32_run<Divergence::kHellinger, LOG, CLIP, PER_TOKEN>(run);
       break;
   }
 }
@@ -310,7 +310,7 @@ BandParams params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid
                              const DeltaArg& delta, double max_ratio, at::ScalarType dtype,
                              std::shared_ptr<const CellPolys>& keep) {
   BandParams band = make_params(table, grid, divergence, log_input, delta.scalar, max_ratio, dtype);
-  if (divergence == kKL && !delta.per_token_mode()) {
+  if (reads_table(band.divergence) && !delta.per_token_mode()) {
     keep = cell_polys(band);
     band.cell_f = keep->f.data();
     band.cell_d = keep->d.data();

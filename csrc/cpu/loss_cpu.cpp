@@ -61,7 +61,7 @@ BANDPO_INLINE void baseline_bounds_f32(const LossParams& params, const float* __
 
 // Per-token terms of a block: the gradient factor into grad[] and, if sums is given, every token's
 // contribution to the kSums accumulators into sums[k][i] (ignored tokens: exactly 0, whatever their inputs).
-template <int MASK, bool SUMS>
+template <MaskKind MASK, bool SUMS>
 BANDPO_INLINE void token_block_f32(const LossParams& params, const float* __restrict lp, const float* __restrict olp,
                                    const float* __restrict adv, const void* __restrict mask, const float* __restrict lo,
                                    const float* __restrict up, int m, float* __restrict grad,
@@ -99,7 +99,7 @@ BANDPO_INLINE void reduce_block(const float (*__restrict sums)[kBlock], double* 
   }
 }
 
-template <int MASK, bool FWD>
+template <MaskKind MASK, bool FWD>
 BANDPO_INLINE void row_f32_impl(const LossParams& params, const LossInputs<float>& in, int64_t n, double* totals,
                                 float g, float* grad_row) {
   alignas(64) float lo[kBlock], up[kBlock], grad[kBlock];
@@ -107,15 +107,15 @@ BANDPO_INLINE void row_f32_impl(const LossParams& params, const LossInputs<float
   const DeltaConsts<float> c = delta_consts<float>(static_cast<float>(params.band.delta));
   for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
     const int m = static_cast<int>(n - i0 < kBlock ? n - i0 : kBlock);
-    if (params.clip_kind == kClipBand) {
+    if (params.clip_kind == ClipKind::kBand) {
       FastRun run{&params.band, &c, in.olp + i0, in.delta ? in.delta + i0 : nullptr, nullptr, lo, up, nullptr, m};
       f32_contiguous(run, /*log_input=*/true, /*clip=*/false, params.per_token_delta);
     } else {
       baseline_bounds_f32(params, in.olp + i0, m, lo, up);
     }
-    const void* mask = MASK == kMaskBytes   ? static_cast<const void*>(static_cast<const uint8_t*>(in.mask) + i0)
-                       : MASK == kMaskFloat ? static_cast<const void*>(static_cast<const float*>(in.mask) + i0)
-                                            : nullptr;
+    const void* mask = MASK == MaskKind::kBytes   ? static_cast<const void*>(static_cast<const uint8_t*>(in.mask) + i0)
+                       : MASK == MaskKind::kFloat ? static_cast<const void*>(static_cast<const float*>(in.mask) + i0)
+                                                  : nullptr;
     token_block_f32<MASK, FWD>(params, in.lp + i0, in.olp + i0, in.adv + i0, mask, lo, up, m, grad, sums);
     if (FWD) {
       reduce_block(sums, totals);
@@ -128,21 +128,16 @@ BANDPO_INLINE void row_f32_impl(const LossParams& params, const LossInputs<float
 // One row, forward (totals[kSums] += its sums) or backward (grad_row = g · ∂(Σ w·loss)/∂log_prob).
 BANDPO_CPU_CLONES void row_f32(const LossParams& params, const LossInputs<float>& in, int64_t n, double* totals,
                                float g, float* grad_row, bool forward) {
-  const int mk = params.mask_kind;
-  if (forward) {
-    if (mk == kMaskBytes)
-      row_f32_impl<kMaskBytes, true>(params, in, n, totals, g, grad_row);
-    else if (mk == kMaskFloat)
-      row_f32_impl<kMaskFloat, true>(params, in, n, totals, g, grad_row);
-    else
-      row_f32_impl<kMaskNone, true>(params, in, n, totals, g, grad_row);
-  } else {
-    if (mk == kMaskBytes)
-      row_f32_impl<kMaskBytes, false>(params, in, n, totals, g, grad_row);
-    else if (mk == kMaskFloat)
-      row_f32_impl<kMaskFloat, false>(params, in, n, totals, g, grad_row);
-    else
-      row_f32_impl<kMaskNone, false>(params, in, n, totals, g, grad_row);
+  switch (params.mask_kind) {
+    case MaskKind::kBytes:
+      return forward ? row_f32_impl<MaskKind::kBytes, true>(params, in, n, totals, g, grad_row)
+                     : row_f32_impl<MaskKind::kBytes, false>(params, in, n, totals, g, grad_row);
+    case MaskKind::kFloat:
+      return forward ? row_f32_impl<MaskKind::kFloat, true>(params, in, n, totals, g, grad_row)
+                     : row_f32_impl<MaskKind::kFloat, false>(params, in, n, totals, g, grad_row);
+    case MaskKind::kNone:
+      return forward ? row_f32_impl<MaskKind::kNone, true>(params, in, n, totals, g, grad_row)
+                     : row_f32_impl<MaskKind::kNone, false>(params, in, n, totals, g, grad_row);
   }
 }
 
@@ -159,13 +154,10 @@ inline bool fast_row<float>(const LossParams& params, const LossInputs<float>& i
 }
 
 // The loss parameters, with the scalar-δ KL cell cubics (kept alive by `keep`) when the band needs them.
-LossParams loss_params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
-                                  int64_t clip_kind, double eps_low, double eps_high, double max_ratio,
-                                  double dual_clip, int64_t mode, int64_t agg, double delta_scalar,
+LossParams loss_params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid, const LossSettings& settings,
                                   const LossTensors& inputs, std::shared_ptr<const CellPolys>& keep) {
-  LossParams params = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio, dual_clip,
-                                       mode, agg, delta_scalar, inputs);
-  if (params.clip_kind == kClipBand && params.band.divergence == kKL && !params.per_token_delta) {
+  LossParams params = make_loss_params(table, grid, settings, inputs);
+  if (params.clip_kind == ClipKind::kBand && reads_table(params.band.divergence) && !params.per_token_delta) {
     keep = cell_polys(params.band);
     params.band.cell_f = keep->f.data();
     params.band.cell_d = keep->d.data();
@@ -202,8 +194,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cpu(
     int64_t mode, int64_t agg) {
   const LossTensors inputs = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta);
   std::shared_ptr<const CellPolys> keep;
-  const LossParams params = loss_params_with_cells(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio,
-                                                   dual_clip, mode, agg, delta_scalar, inputs, keep);
+  const LossSettings settings{.divergence = divergence,
+                              .clip_kind = clip_kind,
+                              .eps_low = eps_low,
+                              .eps_high = eps_high,
+                              .max_ratio = max_ratio,
+                              .dual_clip = dual_clip,
+                              .mode = mode,
+                              .agg = agg,
+                              .delta_scalar = delta_scalar};
+  const LossParams params = loss_params_with_cells(table, grid, settings, inputs, keep);
   const int64_t B = lp.size(0), n = lp.size(1);
   const int64_t chunks = (B + kRowsPerChunk - 1) / kRowsPerChunk;
   std::vector<double> row_s(B), row_w(B), chunk_counts(chunks * kNumCounts, 0.0);
@@ -249,8 +249,16 @@ at::Tensor loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& row_scale
   const at::Tensor scale = row_scale.contiguous();
   std::shared_ptr<const CellPolys> keep;
   // The aggregation is folded into row_scale: the backward's LossParams never read `agg`.
-  const LossParams params = loss_params_with_cells(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio,
-                                                   dual_clip, mode, kAggTokenSum, delta_scalar, inputs, keep);
+  const LossSettings settings{.divergence = divergence,
+                              .clip_kind = clip_kind,
+                              .eps_low = eps_low,
+                              .eps_high = eps_high,
+                              .max_ratio = max_ratio,
+                              .dual_clip = dual_clip,
+                              .mode = mode,
+                              .agg = static_cast<int64_t>(AggKind::kTokenSum),
+                              .delta_scalar = delta_scalar};
+  const LossParams params = loss_params_with_cells(table, grid, settings, inputs, keep);
   const int64_t B = lp.size(0), n = lp.size(1);
   at::Tensor grad = at::empty(lp.sizes(), lp.options());  // dense row-major: the layout the loops write
   const double* S = scale.data_ptr<double>();

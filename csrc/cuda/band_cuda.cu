@@ -169,19 +169,6 @@ bool dense_and_aligned(const at::TensorIteratorBase& iter, int vec_bytes) {
   return true;
 }
 
-// The cells a launch of `kernel_shared` needs: shared memory when they fit, else global; none for a per-token
-// δ; a null global source for closed forms.
-template <typename acc_t>
-CellsPlan plan_cells(const BandParams& band, bool per_token, const void* kernel_shared, int device,
-                     cudaStream_t stream) {
-  CellsPlan plan{per_token ? kCellsNone : kCellsGlobal, nullptr, band.table.nt - 1, 0, at::Tensor()};
-  if (per_token || band.divergence != kKL) return plan;
-  plan.src = cached_cells(band, std::is_same<acc_t, double>::value, stream, plan.scratch);
-  plan.smem = shared_cells_bytes(kernel_shared, sizeof(acc_t) * kCellValues * plan.n_cells, 0, device);
-  plan.mode = plan.smem > 0 ? kCellsShared : kCellsGlobal;
-  return plan;
-}
-
 template <typename scalar_t, bool CLIP, int CELLS>
 void launch_mode(at::TensorIteratorBase& iter, const BandParams& band, const CellsPlan& plan, int device,
                  cudaStream_t stream) {
@@ -215,8 +202,9 @@ void launch(at::TensorIteratorBase& iter, const BandParams& band, bool per_token
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "bandpo_lut_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     // Shared memory is planned for the dense kernel; the strided one has the same static use (none).
-    const CellsPlan plan = plan_cells<acc_t>(
-        band, per_token, (const void*)band_dense_kernel<scalar_t, CLIP, kCellsShared>, device, stream);
+    const CellsPlan plan =
+        plan_cells<acc_t>(band, per_token, /*band_applies=*/true,
+                          (const void*)band_dense_kernel<scalar_t, CLIP, kCellsShared>, 0, device, stream);
     if (plan.mode == kCellsShared) {
       (void)shared_cells_bytes((const void*)band_strided_kernel<scalar_t, CLIP, kCellsShared>, plan.smem, 0, device);
       launch_mode<scalar_t, CLIP, kCellsShared>(iter, band, plan, device, stream);

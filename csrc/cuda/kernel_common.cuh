@@ -81,4 +81,18 @@ struct CellsPlan {
   at::Tensor scratch;  // keeps a capture-time collapse alive until the launch is enqueued
 };
 
+// The one planner of every launch (band and loss): shared memory for a scalar-δ band of a table-read divergence
+// when the cells fit beside the kernel's `static_bytes`, else global; none for a per-token δ; a null global
+// source when the band reads no table or does not apply (the loss's baseline clips).
+template <typename acc_t>
+CellsPlan plan_cells(const BandParams& band, bool per_token, bool band_applies, const void* kernel_shared,
+                     size_t static_bytes, int device, cudaStream_t stream) {
+  CellsPlan plan{per_token ? kCellsNone : kCellsGlobal, nullptr, band.table.nt - 1, 0, at::Tensor()};
+  if (per_token || !band_applies || !reads_table(band.divergence)) return plan;
+  plan.src = cached_cells(band, std::is_same<acc_t, double>::value, stream, plan.scratch);
+  plan.smem = shared_cells_bytes(kernel_shared, sizeof(acc_t) * kCellValues * plan.n_cells, static_bytes, device);
+  plan.mode = plan.smem > 0 ? kCellsShared : kCellsGlobal;
+  return plan;
+}
+
 }  // namespace bandpo

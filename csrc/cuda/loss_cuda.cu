@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kThreads) loss_rows_kernel(Tiles tiles, const 
 // Pass 2b, one block. Writes the loss, the metric vector and row_scale (which first holds each row's Σ w).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kFinishThreads)
-    loss_finish_kernel(int agg, int64_t rows, const double2* row_sums, const double* block_counts, int n_blocks,
+    loss_finish_kernel(AggKind agg, int64_t rows, const double2* row_sums, const double* block_counts, int n_blocks,
                        scalar_t* loss, scalar_t* metrics, double* row_scale_out) {
   constexpr int kVals = 4 + kNumCounts;  // s, w, row_mean, n_rows, counts
   constexpr int kWarps = kFinishThreads / kWarpSize;
@@ -264,17 +264,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>)
   }
 }
 
-// The cells of a launch: shared memory for a scalar-δ KL band when it fits beside `static_bytes`.
+// The cells of a launch (the band's planner, for the band of a loss that has one).
 template <typename acc_t>
 CellsPlan plan_loss_cells(const LossParams& params, const void* kernel_shared, size_t static_bytes, int device,
                           cudaStream_t stream) {
-  CellsPlan plan{params.per_token_delta ? kCellsNone : kCellsGlobal, nullptr, params.band.table.nt - 1, 0,
-                 at::Tensor()};
-  if (params.per_token_delta || params.clip_kind != kClipBand || params.band.divergence != kKL) return plan;
-  plan.src = cached_cells(params.band, std::is_same<acc_t, double>::value, stream, plan.scratch);
-  plan.smem = shared_cells_bytes(kernel_shared, sizeof(acc_t) * kCellValues * plan.n_cells, static_bytes, device);
-  plan.mode = plan.smem > 0 ? kCellsShared : kCellsGlobal;
-  return plan;
+  return plan_cells<acc_t>(params.band, params.per_token_delta, params.clip_kind == ClipKind::kBand, kernel_shared,
+                           static_bytes, device, stream);
 }
 
 template <typename scalar_t, int CELLS, bool WEIGHTED>
@@ -297,7 +292,7 @@ template <typename scalar_t, int CELLS>
 int launch_tokens_mask(const LossParams& params, const CellsPlan& plan, const LossInputs<scalar_t>& in,
                        const Tiles& tiles, at::Tensor& tile_sums, at::Tensor& block_counts, int device,
                        cudaStream_t stream) {
-  if (params.mask_kind == kMaskFloat) {
+  if (params.mask_kind == MaskKind::kFloat) {
     return launch_tokens<scalar_t, CELLS, true>(params, plan, in, tiles, tile_sums, block_counts, device, stream);
   }
   return launch_tokens<scalar_t, CELLS, false>(params, plan, in, tiles, tile_sums, block_counts, device, stream);
@@ -310,8 +305,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cuda(
     int64_t mode, int64_t agg) {
   const c10::cuda::CUDAGuard guard(lp.device());
   const LossTensors inputs = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta);
-  const LossParams params = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio,
-                                             dual_clip, mode, agg, delta_scalar, inputs);
+  const LossParams params = make_loss_params(table, grid,
+                                             {.divergence = divergence,
+                                              .clip_kind = clip_kind,
+                                              .eps_low = eps_low,
+                                              .eps_high = eps_high,
+                                              .max_ratio = max_ratio,
+                                              .dual_clip = dual_clip,
+                                              .mode = mode,
+                                              .agg = agg,
+                                              .delta_scalar = delta_scalar},
+                                             inputs);
   const int device = lp.get_device();
   const Tiles tiles = make_tiles(lp.size(0), lp.size(1));
   LossOutputs out = empty_loss_outputs(lp);
@@ -324,7 +328,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cuda(
     int blocks = 0;
     if (tiles.count() > 0) {
       const size_t static_bytes = sizeof(double) * kWarpsPerBlock * kNumCounts;
-      const void* shared_kernel = params.mask_kind == kMaskFloat
+      const void* shared_kernel = params.mask_kind == MaskKind::kFloat
                                       ? (const void*)loss_tokens_kernel<scalar_t, kCellsShared, true>
                                       : (const void*)loss_tokens_kernel<scalar_t, kCellsShared, false>;
       const CellsPlan plan = plan_loss_cells<acc_t>(params, shared_kernel, static_bytes, device, stream);
@@ -386,8 +390,17 @@ at::Tensor loss_bwd_cuda(const at::Tensor& grad_loss, const at::Tensor& row_scal
   const at::Tensor g = grad_loss.reshape({1}).to(at::kDouble);  // read on the device: no synchronisation
   const at::Tensor scale = row_scale.contiguous();
   // The aggregation is folded into row_scale: the backward's LossParams never read `agg`.
-  const LossParams params = make_loss_params(table, grid, divergence, clip_kind, eps_low, eps_high, max_ratio,
-                                             dual_clip, mode, kAggTokenSum, delta_scalar, inputs);
+  const LossParams params = make_loss_params(table, grid,
+                                             {.divergence = divergence,
+                                              .clip_kind = clip_kind,
+                                              .eps_low = eps_low,
+                                              .eps_high = eps_high,
+                                              .max_ratio = max_ratio,
+                                              .dual_clip = dual_clip,
+                                              .mode = mode,
+                                              .agg = static_cast<int64_t>(AggKind::kTokenSum),
+                                              .delta_scalar = delta_scalar},
+                                             inputs);
   const int device = lp.get_device();
   const Tiles tiles = make_tiles(lp.size(0), lp.size(1));
   at::Tensor grad = at::empty(lp.sizes(), lp.options());  // dense row-major: the layout the kernel writes
