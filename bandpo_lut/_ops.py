@@ -70,7 +70,7 @@ torch.library.register_autograd("bandpo_lut::bounds", _bounds_backward, setup_co
 
 # ---- the fused policy loss ------------------------------------------------------------------------------
 # Sizes and tuple lengths come from the schemas (csrc/ops.cpp) and the metric list (loss_spec.METRICS), never
-# from literals; tests/test_loss_contract.py checks both against the C++ side.
+# from literals; tests/test_contract.py checks both against the C++ side.
 _LOSS_FWD = ops.policy_loss_fwd.default
 _LOSS_FWD_ARGS = [a.name for a in _LOSS_FWD._schema.arguments]
 _LOSS_SAVED = ("log_prob", "old_log_prob", "advantages", "mask", "delta")   # tensors the backward recomputes from

@@ -4,7 +4,7 @@ share: the option names and their compiled ids, the metric names, counts -> frac
 Both import this module; production code never imports `bandpo_lut.reference`. The C++ side
 (`csrc/loss_element.h`) writes the same facts once more, as enums and constants; the "loss" entry of the
 compiled library's facts (`bandpo_lut._extension.facts()`, csrc/facts.h) reports them and
-`tests/test_loss_contract.py` fails when the two differ.
+`tests/test_contract.py` fails when the two differ.
 """
 from __future__ import annotations
 
