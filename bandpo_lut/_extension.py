@@ -148,8 +148,8 @@ def facts() -> dict:
     "closed_form_divergences", "grid_fields" (the order of the ops' grid argument) and "loss" (the fused
     loss's option ids, sizes and thresholds). Loads the library (ImportError like `load()`)."""
     global _facts
+    module = load()   # every call, like load()'s other users: a library that cannot load is refused each time
     if _facts is None:
-        module = load()
         text = getattr(module, "facts_json", None)
         if text is None:
             raise ImportError(f"bandpo_lut's compiled extension {module.__file__} predates this source (it has no "
