@@ -31,6 +31,7 @@ def _importtime(code: str) -> dict[str, int]:
     return times
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_import_bandpo_lut_does_not_import_dynamo():
     times = _importtime("import bandpo_lut")
@@ -54,6 +55,7 @@ def test_import_bandpo_lut_costs_little_beyond_torch():
                                          f"import torch (target 0.3 s)")
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_integrations_package_imports_no_trainer():
     """`bandpo_lut.integrations` itself imports neither framework (nor transformers)."""

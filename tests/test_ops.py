@@ -194,6 +194,7 @@ def _ppo_loss(ratio, p, adv):
     return -(torch.minimum(ratio * adv, bandpo_lut.clip(ratio, p, 0.05, max_ratio=10.0) * adv)).mean()
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph_matches_eager(device):
     g = torch.Generator().manual_seed(4)
     p = torch.sigmoid(torch.randn(512, generator=g) * 3).to(device)
