@@ -111,7 +111,7 @@ def table_for(divergence: str | None, prob: torch.Tensor) -> tuple[TableMeta, to
 
 def _ops():
     from . import _ops as ops_module  # loads the extension and registers fake kernels/autograd once
-    return ops_module.ops
+    return ops_module   # its bounds, clip and policy_loss_fwd: the ops, with forward-mode and torch.func rules
 
 
 def check_tensor(name: str, x) -> None:
@@ -145,7 +145,7 @@ def scalar_delta(delta, meta: TableMeta) -> tuple[torch.Tensor | None, float]:
     same bits."""
     if torch.compiler.is_compiling():
         check_delta(delta, meta)     # a symbolic δ gets range guards only, not a guard on its value
-        return torch.scalar_tensor(delta, dtype=torch.float64), 0.0
+        return torch.zeros((), dtype=torch.float64) + delta, 0.0
     delta = float(delta)
     check_delta(delta, meta)
     return None, delta
