@@ -141,7 +141,7 @@ class _Clip(torch.autograd.Function):
 
     @staticmethod
     def forward(ratio, *args):
-        return ops.clip(ratio, *args)
+        return ops.clip(ratio, *_unwrap(args))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -173,7 +173,7 @@ class _Bounds(torch.autograd.Function):
 
     @staticmethod
     def forward(*args):
-        return ops.bounds(*args)
+        return ops.bounds(*_unwrap(args))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -194,7 +194,7 @@ class _LossBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(*args):
-        return ops.policy_loss_bwd(*args)
+        return ops.policy_loss_bwd(*_unwrap(args))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -215,7 +215,7 @@ class _PolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(*args):
-        return ops.policy_loss_fwd(*args)
+        return ops.policy_loss_fwd(*_unwrap(args))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -246,13 +246,30 @@ class _PolicyLoss(torch.autograd.Function):
         return (grad * log_prob_t).sum(), None, None
 
 
+class _Opaque:
+    """A non-tensor argument (the grid list) handed to an autograd.Function whole: torch.func flattens list
+    arguments into leaves and, nested (torch.func.hessian), rebuilds them with the wrong arity."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _unwrap(args):
+    return tuple(a.value if isinstance(a, _Opaque) else a for a in args)
+
+
+def _wrap(args):
+    return tuple(_Opaque(a) if isinstance(a, list) else a for a in args)
+
+
 def bounds(*args):
-    return ops.bounds(*args) if _traced() else _Bounds.apply(*args)
+    return ops.bounds(*args) if _traced() else _Bounds.apply(*_wrap(args))
 
 
 def clip(*args):
-    return ops.clip(*args) if _traced() else _Clip.apply(*args)
+    return ops.clip(*args) if _traced() else _Clip.apply(*_wrap(args))
 
 
 def policy_loss_fwd(*args):
-    return ops.policy_loss_fwd(*args) if _traced() else _PolicyLoss.apply(*args)
+    return ops.policy_loss_fwd(*args) if _traced() else _PolicyLoss.apply(*_wrap(args))

@@ -57,9 +57,9 @@ _COEFFICIENTS: dict = {}   # (divergence or None, device string) -> real float32
 
 
 def _real_tensor_scope():
-    # Every dispatch mode off (FakeTensorMode, the proxy modes of export/make_fx): tensors built here are real.
-    from torch.utils._python_dispatch import _disable_current_modes
-    return _disable_current_modes()
+    # Ordinary tensors whatever the first call's context: no dispatch mode (FakeTensorMode, export/make_fx's
+    # proxies), no inference mode, no jit tracer (see tables.ordinary_tensor_scope).
+    return _tables.ordinary_tensor_scope()
 
 
 def _mark_static(t: torch.Tensor) -> torch.Tensor:

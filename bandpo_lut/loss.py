@@ -104,9 +104,17 @@ class BandPolicyLoss(torch.nn.Module):
             div = _api.compiled_divergence(divergence)
             if not isinstance(delta, torch.Tensor):
                 _api.check_delta(float(delta), _api._table_meta(div.name, "cpu"))
+        if isinstance(delta, torch.Tensor):
+            # Module state, by torch's convention: a buffer, in state_dict and moved by .to()/.cuda().
+            del self.settings["delta"]
+            self.register_buffer("delta", delta)
 
     def forward(self, log_prob, old_log_prob, advantages, mask=None):
-        return policy_loss(log_prob, old_log_prob, advantages, mask, **self.settings)
+        settings = self.settings if "delta" in self.settings else dict(self.settings, delta=self.delta)
+        return policy_loss(log_prob, old_log_prob, advantages, mask, **settings)
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.settings.items() if v is not None)
+        shown = [f"{k}={v!r}" for k, v in self.settings.items() if v is not None]
+        if "delta" not in self.settings:
+            shown.insert(0, f"delta=<buffer {tuple(self.delta.shape)} {self.delta.dtype}>")
+        return ", ".join(shown)
