@@ -11,7 +11,9 @@ torch.compile with or without fullgraph/dynamic, torch.export, a FakeTensorMode)
   * They are marked static for Dynamo, so that dynamic=True never makes a table size symbolic (a batch
     dimension equal to a table size must not couple the two).
   * A scalar δ that Dynamo turns into a symbolic float (a δ schedule under torch.compile) reaches the
-    op as a 0-dim float64 CPU tensor, read on the host by the kernel: one graph serves every value.
+    op as a 0-dim float64 CPU tensor, read on the host by the kernel, made as `zeros(()) + δ`: an
+    arithmetic op, which Dynamo's float tensorification keeps symbolic (torch.scalar_tensor(δ) would make
+    inductor and aot_eager guard on the value: one graph per δ). One graph serves every value.
 """
 from __future__ import annotations
 
@@ -145,6 +147,7 @@ def scalar_delta(delta, meta: TableMeta) -> tuple[torch.Tensor | None, float]:
     same bits."""
     if torch.compiler.is_compiling():
         check_delta(delta, meta)     # a symbolic δ gets range guards only, not a guard on its value
+        # Not torch.scalar_tensor(delta): that specialises δ under inductor/aot_eager (see the module docstring).
         return torch.zeros((), dtype=torch.float64) + delta, 0.0
     delta = float(delta)
     check_delta(delta, meta)
@@ -240,9 +243,10 @@ def clip(ratio, p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, max_
 
     Gradient (the rule of a scalar-bound `torch.clamp`, as PPO/GRPO trainers clip): 1 where
     lower <= ratio <= upper, ties included, and 0 elsewhere, including where ratio or a bound is NaN.
-    None flows to p_old, log_p_old or delta. Arguments as in `bounds`; `ratio` is broadcast with them and
-    all tensors are promoted to their common floating dtype. No host synchronisation: safe under
-    torch.compile(fullgraph=True) and CUDA graphs.
+    None flows to p_old, log_p_old or delta. Forward mode (torch.func.jvp/jacfwd, torch.autograd.forward_ad)
+    follows the same rule: the ratio's tangent where lower <= ratio <= upper, else 0. Arguments as in
+    `bounds`; `ratio` is broadcast with them and all tensors are promoted to their common floating dtype.
+    No host synchronisation: safe under torch.compile(fullgraph=True) and CUDA graphs.
     """
     check_tensor("ratio", ratio)
     a = prepare_args(p_old, log_p_old, delta, divergence, max_ratio, others=(("ratio", ratio),))

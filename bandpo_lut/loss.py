@@ -41,6 +41,9 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
         clip: "band", "fixed" (eps_low/eps_high, default 0.2/0.2; DAPO's clip-higher is 0.2/0.28) or
             "dcpo" (default eps 0.16/0.2). mode: "clip", or "mask" (out-of-band tokens keep their
             surrogate's value but lose the gradient in the unsafe direction).
+    Derivatives: to log_prob only, first order in both modes (backward, torch.func.grad/jacrev/vjp, forward
+    mode: torch.func.jvp/jacfwd, torch.autograd.forward_ad); a second derivative (double backward,
+    torch.func.hessian) raises NotImplementedError.
     Returns:
         (loss, metrics): a 0-dim loss, and a dict of 0-dim tensors: the fractions of FRACTIONS (clip_frac,
         clip_frac_upper, clip_frac_lower, dual_clip_frac, clip_frac_upper_lowprob, ppo_kl, band_width_mean,
@@ -87,7 +90,11 @@ def ratio_bounds(p_old: torch.Tensor, *, clip="band", delta=0.05, divergence="kl
 
 
 class BandPolicyLoss(torch.nn.Module):
-    """`policy_loss` with its settings held by a module: `loss, metrics = BandPolicyLoss(...)(lp, olp, adv, mask)`."""
+    """`policy_loss` with its settings held by a module: `loss, metrics = BandPolicyLoss(...)(lp, olp, adv, mask)`.
+
+    A tensor δ is a buffer (`module.delta`: in state_dict, moved by .to()). A δ schedule under torch.compile
+    (dynamic=True) runs one graph: set `module.settings["delta"] = value` between steps, or give a 0-dim tensor δ
+    and update it in place (`module.delta.fill_(value)`)."""
 
     def __init__(self, *, delta=0.05, divergence="kl", max_ratio=None, dual_clip=None, agg="token-mean",
                  clip="band", mode="clip", eps_low=None, eps_high=None):
