@@ -9,12 +9,16 @@ import stat
 
 import pytest
 
-from bandpo_lut import table_format, tables
+from bandpo_lut import bench, generate, table_format, tables, verify
 from bandpo_lut.cli import main
 
 # A generate run of a second or two (no accuracy stamp).
 QUICK = ["--t-density", "1", "--s-nodes", "4", "--ghost", "0", "--dps", "30", "--accuracy-points", "0",
          "--workers", "1", "--quiet"]
+
+
+def _must_not_start(*args, **kwargs):
+    pytest.fail("the run started (allocating or computing) instead of refusing its sizes")
 
 
 def usage_error(argv, capsys, *needles):
@@ -69,8 +73,9 @@ def test_generate_default_out_is_not_replaced_either(tmp_path, capsys, monkeypat
 
 @pytest.mark.parametrize("size", [["--t-density", "100000000"], ["--dps", "100000000"], ["--s-nodes", "10000000"],
                                   ["--ghost", "100000000"], ["--accuracy-points", "1000000000"]])
-def test_generate_refuses_a_table_past_its_cost_limit(size, tmp_path, capsys):
+def test_generate_refuses_a_table_past_its_cost_limit(size, tmp_path, capsys, monkeypatch):
     """Refused at once (not after hours), naming the sizes, the estimate and --force."""
+    monkeypatch.setattr(generate, "generate", _must_not_start)
     out = tmp_path / "kl.bplut"
     args = ["generate", "-d", "kl", "--out", str(out)] + QUICK
     args[args.index(size[0]) + 1] = size[1]
@@ -101,5 +106,7 @@ def test_generate_fails_when_the_measured_error_exceeds_the_stamped_tolerance(tm
     (["verify", "--points", "1000000000000", "x.bplut"], ["--points", "<= "]),
     (["verify", "--dense-p", "100000000", "--dense-delta", "100000000", "x.bplut"], ["--dense-p", "GiB"]),
 ])
-def test_bench_and_verify_refuse_sizes_past_the_machine(argv, needles, capsys):
+def test_bench_and_verify_refuse_sizes_past_the_machine(argv, needles, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "_lm_like_probs", _must_not_start)    # bench's first allocation
+    monkeypatch.setattr(verify, "verify_file", _must_not_start)
     usage_error(argv, capsys, *needles)
