@@ -6,16 +6,17 @@ The schemas live in csrc/ops.cpp. Fake kernels give shapes and dtypes without co
 torch.compile and torch.export can trace the ops); autograd gives `clip` exactly torch.clamp's gradient
 through the `clip_backward` op and treats the bounds as constants (no gradient to p_old or δ).
 
-Two routes to the same kernels (see `_traced`): eager calls go through torch.autograd.Function classes
-with setup_context, a backward, a forward-mode rule (jvp) and a vmap rule, so that forward-mode AD and
-the torch.func transforms (grad, jacrev, jacfwd, hessian, vmap of them) see correct derivatives; calls
-traced by torch.compile, torch.export or torch.jit.trace use the ops with their registered backward,
-because Dynamo cannot trace an autograd.Function that has a jvp and the jit tracer would record it as an
-unserialisable Python op.
+Two routes to the same kernels (see `_registered_op_suffices`): under forward-mode AD or a torch.func
+transform, eager calls go through torch.autograd.Function classes with setup_context, a backward, a
+forward-mode rule (jvp) and a vmap rule, so that forward mode and the transforms (grad, jacrev, jacfwd,
+hessian, vmap of them) see correct derivatives; other calls, and those traced by torch.compile,
+torch.export or torch.jit.trace, use the ops with their registered backward (Dynamo cannot trace an
+autograd.Function that has a jvp, and the jit tracer would record one as an unserialisable Python op).
 """
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from . import _extension
 
@@ -114,7 +115,10 @@ def _loss_backward(ctx, grad_loss, grad_metrics, grad_row_scale):
     named.update(zip(ctx.present, saved))
     grad = None
     if ctx.needs_input_grad[0] and grad_loss is not None:
-        grad = ops.policy_loss_bwd(grad_loss, row_scale, *(named[k] for k in _LOSS_SAVED), *ctx.params)
+        args = (grad_loss, row_scale, *(named[k] for k in _LOSS_SAVED), *ctx.params)
+        # create_graph=True (grad mode on in the backward): a second derivative must raise, not be a silent zero.
+        second_order = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        grad = _LossBackward.apply(*_wrap(args)) if second_order else ops.policy_loss_bwd(*args)
     return (grad,) + (None,) * (len(_LOSS_FWD_ARGS) - 1)
 
 
@@ -124,8 +128,14 @@ torch.library.register_autograd("bandpo_lut::policy_loss_fwd", _loss_backward, s
 # ---- the entry points: an autograd.Function in eager code, the registered op when traced ------------------
 
 
-def _traced() -> bool:
-    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+def _registered_op_suffices() -> bool:
+    """True where the ops with their registered backward are right and cheapest: traced (compile, export,
+    jit.trace), or eager with no forward-mode level open and no torch.func transform active. The
+    autograd.Function route costs more per call (torch binds its arguments with inspect.signature), so it is
+    taken only where its jvp and functorch support are needed."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return True
+    return not (torch._C._are_functorch_transforms_active() or _forward_ad._current_level >= 0)
 
 
 def _no_second_order(what: str):
@@ -264,12 +274,12 @@ def _wrap(args):
 
 
 def bounds(*args):
-    return ops.bounds(*args) if _traced() else _Bounds.apply(*_wrap(args))
+    return ops.bounds(*args) if _registered_op_suffices() else _Bounds.apply(*_wrap(args))
 
 
 def clip(*args):
-    return ops.clip(*args) if _traced() else _Clip.apply(*_wrap(args))
+    return ops.clip(*args) if _registered_op_suffices() else _Clip.apply(*_wrap(args))
 
 
 def policy_loss_fwd(*args):
-    return ops.policy_loss_fwd(*args) if _traced() else _PolicyLoss.apply(*_wrap(args))
+    return ops.policy_loss_fwd(*args) if _registered_op_suffices() else _PolicyLoss.apply(*_wrap(args))
