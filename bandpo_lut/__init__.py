@@ -3,13 +3,25 @@
     lower, upper = bandpo_lut.bounds(p_old, delta=0.05)           # the band
     clipped = bandpo_lut.clip(ratio, p_old, delta=0.05)           # torch.clamp(ratio, lower, upper)
 
-Importing the package compiles and loads nothing: the compiled extension is loaded on first use.
+Importing the package compiles nothing; it loads the compiled extension when there is one (a few tens of
+ms), so that a saved program using the ops (torch.export.load, torch.jit.load) finds them after
+`import bandpo_lut` alone. A missing or unfit extension is reported, with what to do, on first use.
 """
 __version__ = "0.1.0"
 
 from .api import bounds, clip  # noqa: E402
 from .divergences import names as divergence_names  # noqa: E402
 from .loss import COUNTS, FRACTIONS, BandPolicyLoss, metrics_from_counts, policy_loss  # noqa: E402
+
+
+def _register_ops() -> None:
+    try:
+        from . import _ops  # noqa: F401  (registers torch.ops.bandpo_lut, its fake kernels and autograd)
+    except ImportError:
+        pass   # no usable extension: the first call raises _extension.load()'s ImportError, which says why
+
+
+_register_ops()
 
 
 def build_info() -> dict:

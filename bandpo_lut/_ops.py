@@ -1,12 +1,22 @@
-"""Registration of the compiled ops' fake kernels and autograd formulas (imported once, on first use).
+"""Registration of the compiled ops' fake kernels and autograd formulas, and the entry points `bounds`,
+`clip` and `policy_loss_fwd` that the public API calls (imported with the package when the extension is
+built, so that a saved program using the ops loads after `import bandpo_lut`).
 
 The schemas live in csrc/ops.cpp. Fake kernels give shapes and dtypes without computing (so that
 torch.compile and torch.export can trace the ops); autograd gives `clip` exactly torch.clamp's gradient
 through the `clip_backward` op and treats the bounds as constants (no gradient to p_old or δ).
+
+Two routes to the same kernels (see `_registered_op_suffices`): under forward-mode AD or a torch.func
+transform, eager calls go through torch.autograd.Function classes with setup_context, a backward, a
+forward-mode rule (jvp) and a vmap rule, so that forward mode and the transforms (grad, jacrev, jacfwd,
+hessian, vmap of them) see correct derivatives; other calls, and those traced by torch.compile,
+torch.export or torch.jit.trace, use the ops with their registered backward (Dynamo cannot trace an
+autograd.Function that has a jvp, and the jit tracer would record one as an unserialisable Python op).
 """
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from . import _extension
 from .loss_spec import METRICS
@@ -104,8 +114,171 @@ def _loss_backward(ctx, grad_loss, grad_metrics, grad_row_scale):
     named.update(zip(ctx.present, saved))
     grad = None
     if ctx.needs_input_grad[0] and grad_loss is not None:
-        grad = ops.policy_loss_bwd(grad_loss, row_scale, *(named[k] for k in _LOSS_SAVED), *ctx.params)
+        args = (grad_loss, row_scale, *(named[k] for k in _LOSS_SAVED), *ctx.params)
+        # create_graph=True (grad mode on in the backward): a second derivative must raise, not be a silent zero.
+        second_order = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        grad = _LossBackward.apply(*_wrap(args)) if second_order else ops.policy_loss_bwd(*args)
     return (grad,) + (None,) * (len(_LOSS_FWD_ARGS) - 1)
 
 
 torch.library.register_autograd("bandpo_lut::policy_loss_fwd", _loss_backward, setup_context=_loss_setup_context)
+
+
+# ---- the entry points: an autograd.Function in eager code, the registered op when traced ------------------
+
+
+def _registered_op_suffices() -> bool:
+    """True where the ops with their registered backward are right and cheapest: traced (compile, export,
+    jit.trace), or eager with no forward-mode level open and no torch.func transform active. The
+    autograd.Function route costs more per call (torch binds its arguments with inspect.signature), so it is
+    taken only where its jvp and functorch support are needed."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return True
+    return not (torch._C._are_functorch_transforms_active() or _forward_ad._current_level >= 0)
+
+
+def _no_second_order(what: str):
+    raise NotImplementedError(
+        f"bandpo_lut: {what} has no second derivative (its backward is a compiled kernel). First-order "
+        "derivatives work: .backward(), torch.autograd.grad, torch.func.grad/vjp/jacrev/jvp/jacfwd and vmap "
+        "of them; second order (double backward, torch.func.hessian) works for bandpo_lut.clip.")
+
+
+class _Clip(torch.autograd.Function):
+    """ops.clip: tangent and gradient pass where lower <= ratio <= upper (torch.clamp's rule), 0 elsewhere."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(ratio, *args):
+        return ops.clip(ratio, *_unwrap(args))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.ratio_shape = inputs[0].shape
+        ctx.save_for_backward(inputs[0], output)
+        ctx.save_for_forward(inputs[0], output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ratio, clipped = ctx.saved_tensors
+        grad_ratio = None
+        if ctx.needs_input_grad[0]:
+            grad_ratio = ops.clip_backward(grad, ratio, clipped)
+            if grad_ratio.shape != ctx.ratio_shape:
+                grad_ratio = grad_ratio.sum_to_size(ctx.ratio_shape)
+        return (grad_ratio,) + no_grads("clip")[1:]
+
+    @staticmethod
+    def jvp(ctx, ratio_t, *other_tangents):   # the bounds are constants: only the ratio's tangent counts
+        ratio, clipped = ctx.saved_tensors
+        if ratio_t is None:
+            return torch.zeros_like(clipped)
+        return ops.clip_backward(ratio_t.expand(clipped.shape), ratio, clipped)
+
+
+class _Bounds(torch.autograd.Function):
+    """ops.bounds: constants (zero derivative in both modes)."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*args):
+        return ops.bounds(*_unwrap(args))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(*output)
+
+    @staticmethod
+    def backward(ctx, grad_lo, grad_up):
+        return no_grads("bounds")
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        return None, None
+
+
+class _LossBackward(torch.autograd.Function):
+    """ops.policy_loss_bwd, refusing second derivatives with a clear message instead of torch's silent zero."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*args):
+        return ops.policy_loss_bwd(*_unwrap(args))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        _no_second_order("policy_loss")
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        _no_second_order("policy_loss")
+
+
+class _PolicyLoss(torch.autograd.Function):
+    """ops.policy_loss_fwd: derivatives to log_prob only (the other inputs are constants, as in the reference)."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*args):
+        return ops.policy_loss_fwd(*_unwrap(args))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _loss_setup_context(ctx, inputs, output)
+        ctx.save_for_forward(*(dict(zip(_LOSS_FWD_ARGS, inputs))[k] for k in ctx.present), output[2])
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_metrics, grad_row_scale):
+        *saved, row_scale = ctx.saved_tensors
+        named = dict.fromkeys(_LOSS_SAVED)
+        named.update(zip(ctx.present, saved))
+        grad = None
+        if ctx.needs_input_grad[0] and grad_loss is not None:
+            grad = _LossBackward.apply(grad_loss, row_scale, *(named[k] for k in _LOSS_SAVED), *ctx.params)
+        return (grad,) + (None,) * (len(_LOSS_FWD_ARGS) - 1)
+
+    @staticmethod
+    def jvp(ctx, log_prob_t, *other_tangents):
+        # The loss is a scalar: its tangent is <d loss / d log_prob, tangent>, the gradient from the backward kernel.
+        *saved, row_scale = ctx.saved_tensors
+        named = dict.fromkeys(_LOSS_SAVED)
+        named.update(zip(ctx.present, saved))
+        lp = named["log_prob"]
+        if log_prob_t is None:
+            return lp.new_zeros(()), None, None
+        one = lp.new_ones(())
+        grad = _LossBackward.apply(one, row_scale, *(named[k] for k in _LOSS_SAVED), *ctx.params)
+        return (grad * log_prob_t).sum(), None, None
+
+
+class _Opaque:
+    """A non-tensor argument (the grid list) handed to an autograd.Function whole: torch.func flattens list
+    arguments into leaves and, nested (torch.func.hessian), rebuilds them with the wrong arity."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _unwrap(args):
+    return tuple(a.value if isinstance(a, _Opaque) else a for a in args)
+
+
+def _wrap(args):
+    return tuple(_Opaque(a) if isinstance(a, list) else a for a in args)
+
+
+def bounds(*args):
+    return ops.bounds(*args) if _registered_op_suffices() else _Bounds.apply(*_wrap(args))
+
+
+def clip(*args):
+    return ops.clip(*args) if _registered_op_suffices() else _Clip.apply(*_wrap(args))
+
+
+def policy_loss_fwd(*args):
+    return ops.policy_loss_fwd(*args) if _registered_op_suffices() else _PolicyLoss.apply(*_wrap(args))

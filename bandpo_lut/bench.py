@@ -24,19 +24,27 @@ import time
 
 import torch
 
+# Upper ends of the size arguments. Memory is checked against the device before anything is allocated (sizes are
+# bounded by that); these bound the rest: time (--repeats, mpmath's ~ms per --accuracy-points point) and threads.
+MAX_ELEMENTS = 2 ** 40
+MAX_REPEATS = 100_000
+MAX_ACCURACY_POINTS = 1_000_000
+MAX_THREADS = 1024
 
 def add_arguments(parser):
-    from .cli import int_at_least
+    from .cli import int_in
 
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--n", type=int_at_least(1), default=2 ** 22, help="elements for the clip rows")
-    parser.add_argument("--batch", type=int_at_least(1), default=64, help="rows of the loss rows' batch (default 64)")
-    parser.add_argument("--tokens", type=int_at_least(1), default=8192,
+    parser.add_argument("--n", type=int_in(1, MAX_ELEMENTS), default=2 ** 22, help="elements for the clip rows")
+    parser.add_argument("--batch", type=int_in(1, MAX_ELEMENTS), default=64,
+                        help="rows of the loss rows' batch (default 64)")
+    parser.add_argument("--tokens", type=int_in(1, MAX_ELEMENTS), default=8192,
                         help="tokens per row of the loss rows' batch (default 8192)")
-    parser.add_argument("--repeats", type=int_at_least(1), default=20,
+    parser.add_argument("--repeats", type=int_in(1, MAX_REPEATS), default=20,
                         help="timed calls per row after a warm-up; the median is reported (default 20)")
-    parser.add_argument("--threads", type=int_at_least(1), default=2, help="CPU threads (torch.set_num_threads)")
-    parser.add_argument("--accuracy-points", type=int_at_least(0), default=300, help="0 skips the accuracy rows")
+    parser.add_argument("--threads", type=int_in(1, MAX_THREADS), default=2, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--accuracy-points", type=int_in(0, MAX_ACCURACY_POINTS), default=300,
+                        help="0 skips the accuracy rows")
     parser.add_argument("--skip-bisection", action="store_true", help="the bisection row takes seconds")
     parser.add_argument("--skip-memory", action="store_true",
                         help="skip the peak-memory rows (CPU; two fresh processes)")
@@ -46,7 +54,7 @@ def add_arguments(parser):
 def _check_args(args):
     """The checks argparse cannot make alone (the device, the --json path); raises UsageError before any
     timing starts. Returns the torch.device."""
-    from .cli import UsageError
+    from .cli import UsageError, check_memory
 
     try:
         device = torch.device(args.device)
@@ -58,6 +66,9 @@ def _check_args(args):
         raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if device.type not in ("cpu", "cuda"):
         raise UsageError(f"--device: expected cpu or cuda, got {args.device!r}")
+    # The clip rows hold about a dozen float32 tensors of N elements (the bisection's included), the loss rows
+    # about sixteen of batch x tokens: refuse before allocating what the device does not have.
+    check_memory("--n/--batch/--tokens", 4 * (12 * args.n + 16 * args.batch * args.tokens), device)
     if args.json is not None:
         if os.path.isdir(args.json):
             raise UsageError(f"--json: cannot write {args.json}: is a directory")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -52,6 +53,44 @@ def int_at_least(lo: int):
             raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
         return value
     return parse
+
+
+def int_in(lo: int, hi: int, why: str = "the most one run can afford"):
+    """argparse type: an integer in [lo, hi] (hi: what one run can afford, in memory or time)."""
+    def parse(text: str) -> int:
+        value = int_at_least(lo)(text)
+        if value > hi:
+            raise argparse.ArgumentTypeError(f"expected an integer <= {hi} ({why}), got {text!r}")
+        return value
+    return parse
+
+
+def available_memory(device=None) -> int | None:
+    """Bytes a run can still allocate on `device` (None or "cpu": MemAvailable of /proc/meminfo, else the
+    physical pages free; a CUDA device: its free memory); None where unknown."""
+    if device is not None and str(device).startswith("cuda"):
+        import torch
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(flags: str, need: float, device=None) -> None:
+    """Refuse (UsageError naming `flags`) a run whose estimated memory `need` (bytes) exceeds what is free."""
+    have = available_memory(device)
+    if have is not None and need > have:
+        raise UsageError(f"{flags}: this run needs about {need / 2 ** 30:.3g} GiB of memory"
+                         f"{' on ' + str(device) if device else ''}, but only {have / 2 ** 30:.3g} GiB is "
+                         "available; lower it")
 
 
 def number_in(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False):

@@ -24,6 +24,7 @@ import math
 import multiprocessing as mp_proc
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -67,6 +68,11 @@ def add_arguments(parser):
                              "(default %(default)s; 0: no stamp)")
     parser.add_argument("--workers", type=int_at_least(0), default=0, help="processes (default: all cores)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing --out (its mode is kept; a symbolic link stays one and its "
+                             "target is replaced), and run a table past the cost limit")
+    parser.add_argument("--allow-inaccurate", action="store_true",
+                        help="exit 0 even when the measured error exceeds the tolerance stamped in the file")
 
 
 def _uneven_t_grid(t_max, t_density):
@@ -100,11 +106,31 @@ def _check_grid(div, t_max, t_density, delta_min, delta_max) -> None:
                         f"the readers' tail rules (upper = 1/p above T, lower = 0 below -T) {valid}")
 
 
+# The cost of a table, in mpmath root solves at 40 digits (~1.5 ms each on one core; the cost grows about as
+# the square of the digits): every node of the ghost-extended grid, and three per accuracy point.
+SECONDS_PER_SOLVE = 1.5e-3
+COST_LIMIT = 4e6          # ~1.7 CPU-hours, 60 times the default table; --force runs past it
+_COST_ARGS = ("t_max", "t_density", "s_nodes", "ghost", "dps", "accuracy_points")
+
+
+def estimated_cost(t_max, t_density, s_nodes, ghost, dps, accuracy_points) -> float:
+    nodes = (2 * t_max * t_density + 1 + 2 * ghost) * (s_nodes + 2 * ghost)
+    return (nodes + 3 * accuracy_points) * (dps / 40) ** 2
+
+
 def _check_args(a):
     """The checks that involve several arguments (argparse has checked each alone); raises UsageError."""
     from .cli import UsageError
 
     div = divergences.get(a.divergence)
+    cost = estimated_cost(a.t_max, a.t_density, a.s_nodes, a.ghost, a.dps, a.accuracy_points)
+    if cost > COST_LIMIT and not a.force:
+        raise UsageError(
+            f"--t-density/--s-nodes/--ghost/--dps/--accuracy-points: this table needs about {cost:.3g} node solves "
+            f"(counted at 40 digits), about {cost * SECONDS_PER_SOLVE / 3600:.3g} CPU-hours and memory in "
+            f"proportion, past the limit of {COST_LIMIT:.3g} (the default table: "
+            f"{estimated_cost(**{k: DEFAULTS[k] for k in _COST_ARGS}):.3g}, a minute on 2 cores); "
+            "add --force to run it anyway")
     if not a.delta_min < a.delta_max:
         raise UsageError(f"--delta-min/--delta-max: expected min < max, got {a.delta_min:g} and {a.delta_max:g}")
     try:
@@ -356,10 +382,20 @@ def _measure(blob, div, n, seed, t_max):
 def run(args) -> int:
     from .cli import UsageError
 
+    if args.out == "":
+        raise UsageError("--out: an empty path (an unset shell variable?); give a file name, or leave --out "
+                         "out for tables/DIVERGENCE.bplut")
     div = _check_args(args)
     out = args.out or os.path.join("tables", f"{div.name}.bplut")
+    target, mode = out, 0o644
+    if os.path.lexists(out) and not os.path.isdir(out):
+        if not args.force:
+            raise UsageError(f"--out: {out} exists; add --force to replace it")
+        target = os.path.realpath(out)   # write through a symbolic link: the link stays a link
+        if os.path.exists(target):
+            mode = stat.S_IMODE(os.stat(target).st_mode)
     try:
-        table_format.check_writable(out)          # before the minutes of computing, not after
+        table_format.check_writable(target)          # before the minutes of computing, not after
     except OSError as e:
         raise UsageError(f"--out: cannot write {out}: {e.strerror or e}") from None
     try:
@@ -367,11 +403,18 @@ def run(args) -> int:
                         delta_max=args.delta_max, s_nodes=args.s_nodes, ghost=args.ghost, dps=args.dps,
                         dtype=args.dtype, accuracy_points=args.accuracy_points, workers=args.workers,
                         progress=not args.quiet)
-        table_format.write_atomic(out, blob)
+        table_format.write_atomic(target, blob, mode=mode)
     except KeyboardInterrupt:
         raise KeyboardInterrupt(f"no table written ({out} unchanged)") from None
     h = table_format.decode(blob, out).header
     acc = h.get("accuracy", {})
     print(f"wrote {out} ({len(blob)} bytes, sha256 {h[table_format.CHECKSUM_KEY][:16]}...); measured upper "
           f"{acc.get('upper_max_rel_error', 'n/a')}, lower {acc.get('lower_max_error', 'n/a')}")
+    worst = max(acc.get("upper_max_rel_error", 0.0), acc.get("lower_max_error", 0.0)) if acc else 0.0
+    if acc and not worst <= acc["tolerance"]:
+        print(f"bandpo-lut generate: error: the measured error {worst:.3g} exceeds the tolerance "
+              f"{acc['tolerance']:g} stamped in {out} (a grid too coarse: raise --t-density or --s-nodes); "
+              "the table is written with its measured errors; --allow-inaccurate exits 0 for it",
+              file=sys.stderr)
+        return 0 if args.allow_inaccurate else 1
     return 0

@@ -43,6 +43,9 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
         clip: "band", "fixed" (eps_low/eps_high, default 0.2/0.2; DAPO's clip-higher is 0.2/0.28) or
             "dcpo" (default eps 0.16/0.2). mode: "clip", or "mask" (out-of-band tokens keep their
             surrogate's value but lose the gradient in the unsafe direction).
+    Derivatives: to log_prob only, first order in both modes (backward, torch.func.grad/jacrev/vjp, forward
+    mode: torch.func.jvp/jacfwd, torch.autograd.forward_ad); a second derivative (double backward,
+    torch.func.hessian) raises NotImplementedError.
     Returns:
         (loss, metrics): a 0-dim loss, and a dict of 0-dim tensors: the fractions of FRACTIONS (clip_frac,
         clip_frac_upper, clip_frac_lower, dual_clip_frac, clip_frac_upper_lowprob, ppo_kl, band_width_mean,
@@ -89,7 +92,11 @@ def ratio_bounds(p_old: torch.Tensor, *, clip="band", delta=0.05, divergence="kl
 
 
 class BandPolicyLoss(torch.nn.Module):
-    """`policy_loss` with its settings held by a module: `loss, metrics = BandPolicyLoss(...)(lp, olp, adv, mask)`."""
+    """`policy_loss` with its settings held by a module: `loss, metrics = BandPolicyLoss(...)(lp, olp, adv, mask)`.
+
+    A tensor δ is a buffer (`module.delta`: in state_dict, moved by .to()). A δ schedule under torch.compile
+    (dynamic=True) runs one graph: set `module.settings["delta"] = value` between steps, or give a 0-dim tensor δ
+    and update it in place (`module.delta.fill_(value)`)."""
 
     def __init__(self, *, delta=0.05, divergence="kl", max_ratio=None, dual_clip=None, agg="token-mean",
                  clip="band", mode="clip", eps_low=None, eps_high=None):
@@ -106,9 +113,17 @@ class BandPolicyLoss(torch.nn.Module):
             div = _checks.compiled_divergence(divergence)
             if not isinstance(delta, torch.Tensor):
                 _cache.check_delta(float(delta), _cache.table_for(div.name, z)[0])
+        if isinstance(delta, torch.Tensor):
+            # Module state, by torch's convention: a buffer, in state_dict and moved by .to()/.cuda().
+            del self.settings["delta"]
+            self.register_buffer("delta", delta)
 
     def forward(self, log_prob, old_log_prob, advantages, mask=None):
-        return policy_loss(log_prob, old_log_prob, advantages, mask, **self.settings)
+        settings = self.settings if "delta" in self.settings else dict(self.settings, delta=self.delta)
+        return policy_loss(log_prob, old_log_prob, advantages, mask, **settings)
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.settings.items() if v is not None)
+        shown = [f"{k}={v!r}" for k, v in self.settings.items() if v is not None]
+        if "delta" not in self.settings:
+            shown.insert(0, f"delta=<buffer {tuple(self.delta.shape)} {self.delta.dtype}>")
+        return ", ".join(shown)

@@ -12,7 +12,9 @@ torch.compile with or without fullgraph/dynamic, torch.export, a FakeTensorMode)
   * They are marked static for Dynamo, so that dynamic=True never makes a table size symbolic (a batch
     dimension equal to a table size must not couple the two).
   * A scalar δ that Dynamo turns into a symbolic float (a δ schedule under torch.compile) reaches the
-    op as a 0-dim float64 CPU tensor, read on the host by the kernel: one graph serves every value.
+    op as a 0-dim float64 CPU tensor, read on the host by the kernel, made as `zeros(()) + δ`: an
+    arithmetic op, which Dynamo's float tensorification keeps symbolic (torch.scalar_tensor(δ) would make
+    inductor and aot_eager guard on the value: one graph per δ). One graph serves every value.
 """
 from __future__ import annotations
 
@@ -49,9 +51,9 @@ _COEFFICIENTS: dict = {}   # (divergence or None, device string) -> real float32
 
 
 def _real_tensor_scope():
-    # Every dispatch mode off (FakeTensorMode, the proxy modes of export/make_fx): tensors built here are real.
-    from torch.utils._python_dispatch import _disable_current_modes
-    return _disable_current_modes()
+    # Ordinary tensors whatever the first call's context: no dispatch mode (FakeTensorMode, export/make_fx's
+    # proxies), no inference mode, no jit tracer (see tables.ordinary_tensor_scope).
+    return _tables.ordinary_tensor_scope()
 
 
 def _mark_static(t: torch.Tensor) -> torch.Tensor:
@@ -102,9 +104,10 @@ def table_for(divergence: str | None, prob: torch.Tensor) -> tuple[TableMeta, to
 
 
 def compiled_ops():
-    """torch.ops.bandpo_lut, with the extension loaded and the fake kernels/autograd registered (once)."""
+    """The ops' entry points `bounds`, `clip` and `policy_loss_fwd` (bandpo_lut._ops: torch.ops.bandpo_lut with
+    forward-mode and torch.func rules), the extension loaded and fake kernels/autograd registered (once)."""
     from . import _ops as ops_module  # loads the extension and registers fake kernels/autograd once
-    return ops_module.ops
+    return ops_module
 
 
 def scalar_delta(delta, meta: TableMeta) -> tuple[torch.Tensor | None, float]:
@@ -115,7 +118,8 @@ def scalar_delta(delta, meta: TableMeta) -> tuple[torch.Tensor | None, float]:
     same bits."""
     if torch.compiler.is_compiling():
         check_delta(delta, meta)     # a symbolic δ gets range guards only, not a guard on its value
-        return torch.scalar_tensor(delta, dtype=torch.float64), 0.0
+        # Not torch.scalar_tensor(delta): that specialises δ under inductor/aot_eager (see the module docstring).
+        return torch.zeros((), dtype=torch.float64) + delta, 0.0
     delta = float(delta)
     check_delta(delta, meta)
     return None, delta

@@ -292,8 +292,9 @@ def check_writable(path: str | os.PathLike) -> None:
     os.unlink(tmp)
 
 
-def write_atomic(path: str | os.PathLike, blob: bytes) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename over it: readers never see half a file."""
+def write_atomic(path: str | os.PathLike, blob: bytes, mode: int = 0o644) -> None:
+    """Write to a temporary file beside `path`, fsync, then rename over it: readers never see half a file.
+    The file gets permission bits `mode` (a replaced file's own, to keep them)."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -303,7 +304,7 @@ def write_atomic(path: str | os.PathLike, blob: bytes) -> None:
             fh.write(blob)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

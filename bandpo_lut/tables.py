@@ -6,6 +6,7 @@ torch tensors cached per device for the kernels and the reference).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -21,6 +22,24 @@ from .table_format import TableFormatError
 
 SHIPPED = ("kl", "tv", "chi2", "hellinger")
 SUFFIX = ".bplut"
+
+
+@contextlib.contextmanager
+def ordinary_tensor_scope():
+    """Tensors made here for a process-wide cache are ordinary ones, whatever the context of the call that
+    fills it: every dispatch mode off (FakeTensorMode, the proxy modes of export/make_fx), inference mode
+    off (an inference tensor could never be saved for a later backward), the torch.jit tracer paused (a
+    first call under torch.jit.trace must record the same graph as later ones)."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    tracing = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        with _disable_current_modes(), torch.inference_mode(False):
+            yield
+    finally:
+        torch._C._set_tracing_state(tracing)
 
 
 @dataclass(frozen=True)
@@ -145,7 +164,7 @@ class Table:
 
         dtype = dtype or torch.float32
         key = (str(torch.device(device)), dtype)
-        with self._lock:
+        with self._lock, ordinary_tensor_scope():
             cached = self._device_cache.get(key)
             if cached is None:
                 host = torch.from_numpy(np.stack([self.upper, self.lower]).astype(np.float32))

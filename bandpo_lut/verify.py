@@ -18,15 +18,21 @@ import numpy as np
 from . import accuracy, tables
 from .table_format import CHECKSUM_KEY, TableFormatError
 
+# Upper ends of the size arguments: --points by time (each point is an mpmath root, ~ms: 10^6 is about an hour
+# per table), the monotonicity grid by memory (checked in `run` against what is free, ~10 float64 arrays of
+# dense_p x dense_delta).
+MAX_POINTS = 1_000_000
+MAX_DENSE = 10 ** 8
+
 
 def add_arguments(parser):
-    from .cli import int_at_least, number_in
+    from .cli import int_in, number_in
 
     parser.add_argument("files", nargs="+", metavar="FILE", help=".bplut table files")
-    parser.add_argument("--points", type=int_at_least(1), default=2000, help="random off-grid points per table")
+    parser.add_argument("--points", type=int_in(1, MAX_POINTS), default=2000, help="random off-grid points per table")
     parser.add_argument("--seed", type=int, default=12345, help="seed of the random points (default %(default)s)")
-    parser.add_argument("--dense-p", type=int_at_least(2), default=4000, help="p values of the monotonicity grid")
-    parser.add_argument("--dense-delta", type=int_at_least(2), default=200,
+    parser.add_argument("--dense-p", type=int_in(2, MAX_DENSE), default=4000, help="p values of the monotonicity grid")
+    parser.add_argument("--dense-delta", type=int_in(2, MAX_DENSE), default=200,
                         help="delta values of the monotonicity grid")
     parser.add_argument("--tolerance", type=number_in(0), default=None,
                         help="largest error allowed, overriding the table's stated tolerance (default: its "
@@ -96,6 +102,9 @@ def verify_file(path, points, seed, n_p, n_delta, tolerance=None, out=None) -> b
 
 def run(args) -> int:
     """Every file is checked and reported, whatever happened to the ones before; exit 1 if any failed."""
+    from .cli import check_memory
+
+    check_memory("--dense-p/--dense-delta", 80 * args.dense_p * args.dense_delta)
     results = [verify_file(f, args.points, args.seed, args.dense_p, args.dense_delta, args.tolerance)
                for f in args.files]
     failed = [f for f, ok in zip(args.files, results) if not ok]

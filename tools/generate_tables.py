@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Regenerate shipped tables into the repository's tables/ with the default settings (the same as running
-`bandpo-lut generate --divergence NAME --out tables/NAME.bplut` for each; use that command for other
+`bandpo-lut generate --divergence NAME --out tables/NAME.bplut --force` for each; use that command for other
 settings).
 
     python tools/generate_tables.py            # kl, tv, chi2, hellinger
@@ -24,6 +24,6 @@ if __name__ == "__main__":
         sys.exit(f"generate_tables.py: {unknown} are not shipped tables ({list(SHIPPED)}); "
                  "use `bandpo-lut generate --divergence NAME --out FILE` for others")
     for name in names:
-        rc = main(["generate", "--divergence", name, "--out", str(TABLES / f"{name}.bplut")])
+        rc = main(["generate", "--divergence", name, "--out", str(TABLES / f"{name}.bplut"), "--force"])
         if rc:
             sys.exit(rc)
