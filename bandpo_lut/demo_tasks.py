@@ -139,9 +139,9 @@ def clip_counts(log_prob, old_log_prob, adv, bucket, lo, up) -> dict:
 
 def train(method: str, seed: int, cfg: TaskConfig) -> dict:
     """One GRPO run of `cfg.task` under `method`. Returns per-step tensors: entropy, reward, the mass of
-    the rare and of the common correct tokens (rare-correct only; 0 otherwise), the BUCKETED counts
-    (steps, buckets), the FROM_LOSS counts; and "drift", the final minus the initial logits, each row
-    centred (softmax ignores a row's mean)."""
+    each context's initially most likely token ("top_mass"), the mass of the rare and of the common
+    correct tokens (rare-correct only; 0 otherwise), the BUCKETED counts (steps, buckets) and the
+    FROM_LOSS counts."""
     logits0, common, rare = make_task(seed, cfg)
     correct = None if common is None else common | rare
     theta = torch.nn.Parameter(logits0.clone())
@@ -155,12 +155,14 @@ def train(method: str, seed: int, cfg: TaskConfig) -> dict:
     context_of = torch.arange(C).repeat_interleave(G)
     edges = torch.tensor(P_EDGES, dtype=torch.float32)
     nb = len(P_BUCKETS)
-    out = {k: torch.zeros(cfg.steps) for k in ("entropy", "reward", "rare_mass", "common_mass") + FROM_LOSS}
+    top = logits0.argmax(1, keepdim=True)
+    out = {k: torch.zeros(cfg.steps) for k in ("entropy", "reward", "top_mass", "rare_mass", "common_mass") + FROM_LOSS}
     out.update({k: torch.zeros(cfg.steps, nb, dtype=torch.float64) for k in BUCKETED})
     for step in range(cfg.steps):
         with torch.no_grad():
             p_all = torch.softmax(theta, dim=1)
             out["entropy"][step] = -(p_all * torch.log_softmax(theta, dim=1)).sum(1).mean()
+            out["top_mass"][step] = torch.gather(p_all, 1, top).mean()
             if rare is not None:
                 out["rare_mass"][step] = (p_all * rare).sum(1).mean()
                 out["common_mass"][step] = (p_all * common).sum(1).mean()
@@ -180,10 +182,6 @@ def train(method: str, seed: int, cfg: TaskConfig) -> dict:
                     out[k][step] += v
                 for k in FROM_LOSS:
                     out[k][step] += metrics[k].detach()
-    with torch.no_grad():
-        drift = theta.detach() - logits0
-        out["drift"] = drift - drift.mean(1, keepdim=True)
-        out["logits0"] = logits0
     return out
 
 

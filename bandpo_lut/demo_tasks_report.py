@@ -54,16 +54,6 @@ def step_rates(h: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return _rate(total("n_high"), total("n_pos")), _rate(total("n_low"), total("n_neg"))
 
 
-def logit_drift_along_logp(h: dict) -> torch.Tensor:
-    """Per seed: the slope of the final centred logit drift against the initial centred log-probability,
-    averaged over contexts. > 0: the likely tokens gained on the rare ones (entropy falls); an unbiased
-    update has slope 0 in expectation only as far as its diffusion is symmetric (see docs/demo.md)."""
-    logp0 = torch.log_softmax(h["logits0"], dim=-1)
-    x = logp0 - logp0.mean(-1, keepdim=True)
-    y = h["drift"]
-    return ((x * y).sum(-1) / (x * x).sum(-1)).mean(-1)
-
-
 def print_table(history: dict, cfg: TaskConfig, every: int) -> None:
     rows = sorted(set(range(0, cfg.steps, every)) | {cfg.steps - 1})
     width = max(len(m) for m in history)
@@ -99,7 +89,8 @@ def summary_lines(history: dict, cfg: TaskConfig) -> list[str]:
                      f"{float(h['common_mass'][:, -1].mean()):.3f}, final reward "
                      f"{float(h['reward'][:, -max(1, cfg.steps // 10):].mean()):.3f}")
         else:
-            part += f"; logit drift along log p_old {float(logit_drift_along_logp(h).mean()):+.4f}"
+            part += (f"; mass on the initially most likely token {float(h['top_mass'][:, 0].mean()):.3f} -> "
+                     f"{float(h['top_mass'][:, -1].mean()):.3f}")
         if float(h["n_dual_clipped"].sum()) > 0:
             part += f"; dual-clipped {int(h['n_dual_clipped'].sum())} tokens"
         lines.append("summary " + part)
