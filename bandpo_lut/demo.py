@@ -118,7 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=_positive_int, default=2, help="passes over each batch (default 2)")
     parser.add_argument("--minibatches", type=_positive_int, default=4,
                         help="Adam updates per pass (default 4)")
-    parser.add_argument("--lr", type=_positive_float, default=0.05, help="Adam learning rate (default 0.05)")
+    parser.add_argument("--lr", type=_positive_float, default=None,
+                        help="learning rate (default 0.05 for Adam; required with --optimizer sgd)")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                        help="adam (default), or sgd for --task random-reward / rare-correct")
     parser.add_argument("--init-scale", type=_positive_float, default=4.0,
                         help="std of the initial logits (default 4: the top token has p ~ 0.4)")
     parser.add_argument("--max-ratio", type=max_ratio_arg, default=10.0,
@@ -154,7 +157,7 @@ def _run(args: argparse.Namespace) -> int:
         steps=args.steps or default_steps,
         contexts=args.contexts, vocab=args.vocab, good=args.good, good_ranks=args.good_ranks,
         tokens=args.tokens, group=args.group, epochs=args.epochs, minibatches=args.minibatches,
-        lr=args.lr, init_scale=args.init_scale, max_ratio=args.max_ratio)
+        lr=args.lr or 0.05, init_scale=args.init_scale, max_ratio=args.max_ratio)
     if args.task == "rare-correct" and cfg.good_ranks[0] < 1:
         return _usage_error(f"--good-ranks {cfg.good_ranks[0]},{cfg.good_ranks[1]}: rank 0 is the common correct "
                             f"token of --task rare-correct; the rare ones start at rank 1 or later")
@@ -168,6 +171,9 @@ def _run(args: argparse.Namespace) -> int:
                             f"batch (--contexts x --group = {cfg.contexts * cfg.group})")
     if args.out is not None and args.out.suffix.lower() not in (".png", ".svg"):
         return _usage_error(f"--out {args.out}: the figure's name must end in .png or .svg")
+    if args.optimizer == "sgd" and (args.task == "rewarded" or args.lr is None):
+        return _usage_error("--optimizer sgd: only with --task random-reward or rare-correct, and with --lr "
+                            "(plain gradient steps need a far larger rate than Adam's 0.05)")
     size_error = _size_error(cfg)
     if size_error:
         return _usage_error(size_error)
@@ -183,7 +189,7 @@ def _run(args: argparse.Namespace) -> int:
     seeds = list(range(args.seed, args.seed + n_seeds))
     if args.task != "rewarded":
         from . import demo_tasks_report
-        return demo_tasks_report.run(args.task, methods, seeds, cfg, args.out, args.every)
+        return demo_tasks_report.run(args.task, methods, seeds, cfg, args.out, args.every, args.optimizer)
     print(f"BandPO demo: {len(seeds)} seed(s) x {cfg.steps} steps; {cfg.contexts} contexts, vocab "
           f"{cfg.vocab} (initial logits ~ N(0, {cfg.init_scale}^2)), {cfg.good} rewarded tokens per "
           f"context drawn from initial ranks {cfg.good_ranks[0]}..{cfg.good_ranks[1] - 1}; groups of "

@@ -3,7 +3,9 @@ reward, decides what happens to the policy's entropy (the training; the report i
 
 Both use the default demo's tabular softmax policy (one row of logits per context, initial logits
 N(0, init_scale^2), so each row is peaked on a few tokens), GRPO groups with group-normalised
-advantages given to every token of a response, and `epochs x minibatches` Adam updates per batch.
+advantages given to every token of a response, and `epochs x minibatches` Adam updates per batch
+(`--optimizer sgd`: plain gradient steps, under which an unclipped update moves each logit by its own
+gradient only; Adam rescales every logit's step, also those of tokens that were never sampled).
 
   * random-reward (arXiv 2509.26114): each response's reward is a fair coin, drawn independently of
     its tokens. The expected policy gradient is zero, so an unclipped policy gradient only diffuses;
@@ -65,6 +67,7 @@ class TaskConfig:
     lr: float
     init_scale: float
     max_ratio: float | None
+    optimizer: str = "adam"
 
 
 def method_kwargs(method: str, cfg: TaskConfig) -> dict:
@@ -145,7 +148,7 @@ def train(method: str, seed: int, cfg: TaskConfig) -> dict:
     logits0, common, rare = make_task(seed, cfg)
     correct = None if common is None else common | rare
     theta = torch.nn.Parameter(logits0.clone())
-    opt = torch.optim.Adam([theta], lr=cfg.lr)
+    opt = (torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.SGD)([theta], lr=cfg.lr)
     kwargs = method_kwargs(method, cfg)
     bound_kwargs = {k: v for k, v in kwargs.items() if k != "dual_clip"}
     # separate streams, the same for every method: sampling and minibatches, and the random rewards

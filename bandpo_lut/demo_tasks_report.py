@@ -11,15 +11,17 @@ import torch
 from .demo_tasks import METHODS, P_BUCKETS, TaskConfig, method_kwargs, run_method
 
 
-def run(task: str, methods: list[str], seeds: list[int], cfg, out: Path | None, every: int | None) -> int:
+def run(task: str, methods: list[str], seeds: list[int], cfg, out: Path | None, every: int | None,
+        optimizer: str = "adam") -> int:
     """Train `methods` on `task` for `seeds` (cfg: the default demo's Config, same fields) and report."""
-    tcfg = TaskConfig(task=task, **vars(cfg))
+    tcfg = TaskConfig(task=task, optimizer=optimizer, **vars(cfg))
+    opt_name = "Adam" if optimizer == "adam" else "SGD"
     what = ("reward = a fair coin per response, independent of its tokens" if task == "random-reward" else
             f"correct = each context's top token and {tcfg.good} rare tokens from initial ranks "
             f"{tcfg.good_ranks[0]}..{tcfg.good_ranks[1] - 1}, reward = fraction of correct tokens")
     print(f"BandPO demo --task {task}: {len(seeds)} seed(s) ({seeds[0]}..{seeds[-1]}) x {tcfg.steps} steps; "
           f"{tcfg.contexts} contexts, vocab {tcfg.vocab} (initial logits ~ N(0, {tcfg.init_scale}^2)); {what}; "
-          f"groups of {tcfg.group} responses x {tcfg.tokens} tokens; {tcfg.epochs * tcfg.minibatches} Adam "
+          f"groups of {tcfg.group} responses x {tcfg.tokens} tokens; {tcfg.epochs * tcfg.minibatches} {opt_name} "
           f"updates (lr {tcfg.lr}) per batch; loss: bandpo_lut.policy_loss")
     for m in methods:
         print(f"  {m}: " + ", ".join(f"{k}={v}" for k, v in method_kwargs(m, tcfg).items()))
@@ -157,7 +159,8 @@ def plot(history: dict, out: Path, cfg: TaskConfig, n_seeds: int) -> None:
     what = ("reward = a fair coin per response, independent of its tokens" if cfg.task == "random-reward" else
             f"correct = the top token and {cfg.good} rare tokens (initial ranks {cfg.good_ranks[0]}.."
             f"{cfg.good_ranks[1] - 1}), equally rewarded")
-    fig.suptitle(f"demo --task {cfg.task}: softmax policy over {cfg.vocab} tokens, {cfg.contexts} contexts; "
-                 f"{what}; {cfg.epochs * cfg.minibatches} Adam updates per batch ({spread})", fontsize=10)
+    fig.suptitle(f"demo --task {cfg.task}: softmax policy over {cfg.vocab} tokens, {cfg.contexts} contexts;\n"
+                 f"{what};\n{cfg.epochs * cfg.minibatches} {'Adam' if cfg.optimizer == 'adam' else 'SGD'} updates "
+                 f"(lr {cfg.lr:g}) per batch ({spread})", fontsize=10)
     fig.savefig(out, dpi=100)
     plt.close(fig)
