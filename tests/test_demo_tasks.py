@@ -164,3 +164,10 @@ def test_an_unwritable_out_fails_before_the_run(task, capsys, tmp_path):
 def test_no_clip_belongs_to_the_new_tasks_only(capsys):
     assert main(["demo", "--methods", "no-clip", *TINY]) == 2
     _one_line_error(capsys.readouterr().err, "--methods")
+
+
+def test_sgd_needs_a_new_task_and_a_rate(capsys):
+    assert main(["demo", "--optimizer", "sgd", "--lr", "50", *TINY]) == 2            # the default task: Adam only
+    _one_line_error(capsys.readouterr().err, "--optimizer")
+    assert main(["demo", "--task", "random-reward", "--optimizer", "sgd", *TINY]) == 2   # no --lr
+    _one_line_error(capsys.readouterr().err, "--lr")
