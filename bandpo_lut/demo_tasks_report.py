@@ -86,8 +86,8 @@ def summary_lines(history: dict, cfg: TaskConfig) -> list[str]:
                 f"clip-high / clip-low at p_old < 0.01: {100 * float(high[0]):.2f}% / {100 * float(low[0]):.2f}%, "
                 f"at p_old >= 0.5: {100 * float(high[-1]):.2f}% / {100 * float(low[-1]):.2f}%")
         if cfg.task == "rare-correct":
-            part += (f"; rare correct mass {float(h['rare_mass'][:, 0].mean()):.4f} -> "
-                     f"{float(h['rare_mass'][:, -1].mean()):.4f}, common correct "
+            part += (f"; rare correct mass {float(h['rare_mass'][:, 0].mean()):.2e} -> "
+                     f"{float(h['rare_mass'][:, -1].mean()):.2e}, common correct "
                      f"{float(h['common_mass'][:, -1].mean()):.3f}, final reward "
                      f"{float(h['reward'][:, -max(1, cfg.steps // 10):].mean()):.3f}")
         else:
