@@ -92,7 +92,7 @@ DEFAULT_OUT = "bandpo-demo.png"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=("rewarded",) + TASKS, default="rewarded",
                         help="rewarded (default): rewarded tokens that start rare; random-reward: a coin "
-                             "flip per response, so only the clip moves the entropy; rare-correct: the top "
+                             "flip per response (zero expected gradient); rare-correct: the top "
                              "token and rare tokens are equally correct (docs/demo.md)")
     parser.add_argument("--quick", action="store_true",
                         help="a smaller run that finishes in well under a minute")
