@@ -25,8 +25,8 @@ reward a few steps sooner, and lose entropy sooner: plotted against the reward, 
 curve for all four methods, and every method ends far below log(rewarded tokens). This toy does not
 show BandPO preserving entropy.
 
-`--task random-reward` and `--task rare-correct` are two further tasks, in which the clip rather than
-the reward decides the entropy (`demo_tasks`, reported by `demo_tasks_report`; docs/demo.md). This
+`--task random-reward` and `--task rare-correct` are two further tasks, built to show what the clip
+rather than the reward does to entropy (`demo_tasks`, reported by `demo_tasks_report`; docs/demo.md). This
 module keeps the default task (`--task rewarded`) and the arguments of all three.
 """
 from __future__ import annotations
