@@ -92,10 +92,10 @@ def _z(x: torch.Tensor) -> float:
 def test_random_reward_reference_has_zero_expected_gradient():
     """With coin-flip rewards, the unclipped policy gradient is zero in expectation: over 300 seeds its mean
     along log p_old and on the top tokens lies within 4 standard errors of 0. The same measure on
-    rare-correct, whose reward depends on the tokens, is far from 0 (the check can fail)."""
+    rare-correct (50 seeds), whose reward depends on the tokens, is far from 0 (the check can fail)."""
     for stat in _first_update_gradients("random-reward", range(300)):
         assert abs(_z(stat)) < 4, _z(stat)
-    along_logp, top = _first_update_gradients("rare-correct", range(300))
+    along_logp, top = _first_update_gradients("rare-correct", range(50))   # z ~ 25 and 40 at 50 seeds
     assert _z(along_logp) > 6 and _z(top) > 6, (_z(along_logp), _z(top))
 
 
