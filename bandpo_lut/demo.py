@@ -24,6 +24,10 @@ Because they barely clip at all here, BandPO and DCPO run almost on top of each 
 reward a few steps sooner, and lose entropy sooner: plotted against the reward, entropy is the same
 curve for all four methods, and every method ends far below log(rewarded tokens). This toy does not
 show BandPO preserving entropy.
+
+`--task random-reward` and `--task rare-correct` are two further tasks, built to show what the clip
+rather than the reward does to entropy (`demo_tasks`, reported by `demo_tasks_report`; docs/demo.md). This
+module keeps the default task (`--task rewarded`) and the arguments of all three.
 """
 from __future__ import annotations
 
@@ -37,6 +41,8 @@ from pathlib import Path
 import torch
 
 from .cli import int_at_least, max_ratio_arg, number_in
+from .demo_tasks import METHODS as TASK_METHODS
+from .demo_tasks import TASKS
 from .loss import policy_loss, ratio_bounds
 
 # name -> policy_loss keyword arguments; max_ratio is added from --max-ratio for dcpo and band.
@@ -46,6 +52,11 @@ METHODS = {
     "dcpo": dict(clip="dcpo", eps_low=0.16, eps_high=0.2),
     "bandpo": dict(clip="band", divergence="kl", delta=0.05),
 }
+ALL_METHODS = tuple(dict.fromkeys([*TASK_METHODS, *METHODS]))  # every --methods name of every task
+# Sizes past these are refused before any work: the demo holds the logits and their Adam states
+# (contexts x vocab) and a batch's sampled tokens (contexts x group x tokens) in memory several times over.
+MAX_LOGITS = 10_000_000
+MAX_BATCH_TOKENS = 1_000_000
 RECORDED = ("entropy", "reward", "clip_frac", "lowprob_clip_high")
 # line styles in the figure; dcpo is dashed because in this toy it often runs on top of bandpo
 STYLES = {"ppo-clip": "-", "clip-higher": "-", "dcpo": (0, (4, 2)), "bandpo": "-"}
@@ -79,15 +90,21 @@ DEFAULT_OUT = "bandpo-demo.png"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--task", choices=("rewarded",) + TASKS, default="rewarded",
+                        help="rewarded (default): rewarded tokens that start rare; random-reward: a coin "
+                             "flip per response (zero expected gradient); rare-correct: the top "
+                             "token and rare tokens are equally correct (docs/demo.md)")
     parser.add_argument("--quick", action="store_true",
                         help="a smaller run that finishes in well under a minute")
     parser.add_argument("--steps", type=_positive_int, default=None,
-                        help="GRPO steps (batches) per run (default 100; --quick: 60)")
+                        help="GRPO steps (batches) per run (default 100, other tasks 200; --quick: 60, "
+                             "other tasks 50)")
     parser.add_argument("--seeds", type=_positive_int, default=None,
-                        help="number of seeds, averaged (default 5; --quick: 1)")
+                        help="number of seeds, averaged (default 5; --quick: 1, other tasks 2)")
     parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
-    parser.add_argument("--methods", type=_methods, default=list(METHODS),
-                        help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
+    parser.add_argument("--methods", type=_methods, default=None,
+                        help=f"comma-separated subset of {','.join(METHODS)} (default: all), and "
+                             f"no-clip for the other tasks")
     parser.add_argument("--contexts", type=_positive_int, default=32, help="contexts (default 32)")
     parser.add_argument("--vocab", type=_positive_int, default=2000, help="vocabulary size (default 2000)")
     parser.add_argument("--good", type=_positive_int, default=8,
@@ -96,11 +113,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="initial probability ranks LO..HI-1 the rewarded tokens are drawn from "
                              "(default 10,100: p_old ~ 1e-4 to 1e-2)")
     parser.add_argument("--tokens", type=_positive_int, default=16, help="tokens per response (default 16)")
-    parser.add_argument("--group", type=_positive_int, default=8, help="responses per context (default 8)")
+    parser.add_argument("--group", type=_group_size, default=8,
+                        help="responses per context, at least 2 (default 8)")
     parser.add_argument("--epochs", type=_positive_int, default=2, help="passes over each batch (default 2)")
     parser.add_argument("--minibatches", type=_positive_int, default=4,
                         help="Adam updates per pass (default 4)")
-    parser.add_argument("--lr", type=_positive_float, default=0.05, help="Adam learning rate (default 0.05)")
+    parser.add_argument("--lr", type=_positive_float, default=None,
+                        help="learning rate (default 0.05 for Adam; required with --optimizer sgd)")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                        help="adam (default), or sgd for --task random-reward / rare-correct")
     parser.add_argument("--init-scale", type=_positive_float, default=4.0,
                         help="std of the initial logits (default 4: the top token has p ~ 0.4)")
     parser.add_argument("--max-ratio", type=max_ratio_arg, default=10.0,
@@ -131,12 +152,17 @@ def _usage_error(message: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    default_steps = (60 if args.quick else 100) if args.task == "rewarded" else (50 if args.quick else 200)
     cfg = Config(
-        steps=args.steps or (60 if args.quick else 100),
+        steps=args.steps or default_steps,
         contexts=args.contexts, vocab=args.vocab, good=args.good, good_ranks=args.good_ranks,
         tokens=args.tokens, group=args.group, epochs=args.epochs, minibatches=args.minibatches,
-        lr=args.lr, init_scale=args.init_scale, max_ratio=args.max_ratio)
-    if cfg.good_ranks[1] > cfg.vocab or cfg.good_ranks[1] - cfg.good_ranks[0] < cfg.good:
+        lr=args.lr or 0.05, init_scale=args.init_scale, max_ratio=args.max_ratio)
+    if args.task == "rare-correct" and cfg.good_ranks[0] < 1:
+        return _usage_error(f"--good-ranks {cfg.good_ranks[0]},{cfg.good_ranks[1]}: rank 0 is the common correct "
+                            f"token of --task rare-correct; the rare ones start at rank 1 or later")
+    if args.task != "random-reward" and (cfg.good_ranks[1] > cfg.vocab
+                                         or cfg.good_ranks[1] - cfg.good_ranks[0] < cfg.good):
         return _usage_error(f"--good-ranks {cfg.good_ranks[0]},{cfg.good_ranks[1]} must lie within "
                             f"the vocabulary (--vocab {cfg.vocab}) and hold at least --good {cfg.good} "
                             f"tokens")
@@ -145,8 +171,25 @@ def _run(args: argparse.Namespace) -> int:
                             f"batch (--contexts x --group = {cfg.contexts * cfg.group})")
     if args.out is not None and args.out.suffix.lower() not in (".png", ".svg"):
         return _usage_error(f"--out {args.out}: the figure's name must end in .png or .svg")
-    n_seeds = args.seeds or (1 if args.quick else 5)
+    if args.optimizer == "sgd" and (args.task == "rewarded" or args.lr is None):
+        return _usage_error("--optimizer sgd: only with --task random-reward or rare-correct, and with --lr "
+                            "(plain gradient steps need a far larger rate than Adam's 0.05)")
+    size_error = _size_error(cfg)
+    if size_error:
+        return _usage_error(size_error)
+    methods = args.methods or (list(METHODS) if args.task == "rewarded" else list(TASK_METHODS))
+    foreign = [m for m in methods if m not in (METHODS if args.task == "rewarded" else TASK_METHODS)]
+    if foreign:
+        return _usage_error(f"--methods: {','.join(foreign)} not in --task {args.task}")
+    if args.out is not None:   # before the run, which the figure would otherwise outlive only to be lost
+        out_error = _unwritable(args.out)
+        if out_error:
+            return _usage_error(out_error)
+    n_seeds = args.seeds or ((1 if args.quick else 5) if args.task == "rewarded" else (2 if args.quick else 5))
     seeds = list(range(args.seed, args.seed + n_seeds))
+    if args.task != "rewarded":
+        from . import demo_tasks_report
+        return demo_tasks_report.run(args.task, methods, seeds, cfg, args.out, args.every, args.optimizer)
     print(f"BandPO demo: {len(seeds)} seed(s) x {cfg.steps} steps; {cfg.contexts} contexts, vocab "
           f"{cfg.vocab} (initial logits ~ N(0, {cfg.init_scale}^2)), {cfg.good} rewarded tokens per "
           f"context drawn from initial ranks {cfg.good_ranks[0]}..{cfg.good_ranks[1] - 1}; groups of "
@@ -155,7 +198,7 @@ def _run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     history = {}  # method -> quantity -> tensor (seeds, steps)
-    for method in args.methods:
+    for method in methods:
         runs = [train(method, seed, cfg) for seed in seeds]
         history[method] = {k: torch.stack([r[k] for r in runs]) for k in runs[0]}
     elapsed = time.perf_counter() - start
@@ -372,11 +415,52 @@ _positive_float = number_in(0, lo_open=True)
 
 def _methods(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in METHODS]
+    unknown = [n for n in names if n not in ALL_METHODS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown method(s) {unknown or text!r}; choose from "
-                                         f"{','.join(METHODS)}")
+                                         f"{','.join(ALL_METHODS)}")
     return list(dict.fromkeys(names))
+
+
+def _group_size(text: str) -> int:
+    """--group: GRPO normalises advantages by the group's standard deviation, undefined for one response."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2 (advantages are normalised within a "
+                                         f"group, which needs two responses), got {text!r}")
+    return value
+
+
+def _size_error(cfg: Config) -> str | None:
+    """A message if the run would hold more than the demo's limits (MAX_LOGITS, MAX_BATCH_TOKENS)."""
+    logits = cfg.contexts * cfg.vocab
+    if logits > MAX_LOGITS:
+        return (f"--contexts {cfg.contexts} x --vocab {cfg.vocab} = {logits} logits exceeds this toy's limit "
+                f"of {MAX_LOGITS}")
+    batch = cfg.contexts * cfg.group * cfg.tokens
+    if batch > MAX_BATCH_TOKENS:
+        return (f"--contexts {cfg.contexts} x --group {cfg.group} x --tokens {cfg.tokens} = {batch} sampled "
+                f"tokens per batch exceeds this toy's limit of {MAX_BATCH_TOKENS}")
+    return None
+
+
+def _unwritable(out: Path) -> str | None:
+    """A message if the figure cannot be written at `out` (checked before the run; creates its folder)."""
+    if out.is_dir():
+        return f"--out {out}: is a folder; give a file name ending in .png or .svg"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        existed = out.exists()
+        with open(out, "ab"):
+            pass
+        if not existed:
+            out.unlink()
+    except OSError as e:
+        return f"--out {out}: cannot write the figure there ({e.strerror or e})"
+    return None
 
 
 def _out_path(text: str) -> Path | None:
