@@ -22,9 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from datasets import Dataset, load_dataset
-from transformers import HfArgumentParser
-
-from bandpo_lut.integrations.trl import BandGRPOConfig, BandGRPOTrainer
+from bandpo_lut.integrations.trl import BandGRPOConfig, BandGRPOTrainer, argument_parser
 
 
 @dataclass
@@ -82,7 +80,7 @@ def _given(argv: list[str], name: str) -> bool:
 
 def main(argv: Optional[list[str]] = None) -> BandGRPOTrainer:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser((ScriptArguments, BandGRPOConfig))
+    parser = argument_parser(ScriptArguments, BandGRPOConfig)  # HfArgumentParser; --delta None works
     tiny = not _given(argv, "model")
     defaults = {**RUN_DEFAULTS, **(TINY_DEFAULTS if tiny else {})}
     import torch
