@@ -147,8 +147,8 @@ def _inert_schedule_message(a) -> str:
             f"{a.gradient_accumulation_steps}, each generation batch is used for steps_per_generation "
             f"x num_iterations = {uses} micro-batches and the optimiser steps every "
             f"gradient_accumulation_steps = {a.gradient_accumulation_steps}, a multiple of {uses}: every "
-            f"optimiser step sees a fresh generation batch, trained with the weights that generated it. "
-            f"The ratio pi/pi_old is then 1 for every token and no ratio clip acts: the band (and the "
+            f"optimiser step sees a fresh generation batch, trained with the weights that generated it, "
+            f"so the ratio pi/pi_old is 1 for every token and no ratio clip acts: the band (and the "
             f"dual clip) never clips, and this trains plain on-policy GRPO. For the band to act, the "
             f"weights must change while a generation batch is in use, i.e. gradient_accumulation_steps "
             f"must not be a multiple of steps_per_generation x num_iterations: e.g. num_iterations={fix}.")
