@@ -28,6 +28,8 @@ What changes, and what does not:
   refused (paper: both 10).
 - ``band_clip="fixed"`` keeps TRL's epsilon clip untouched (a PPO/DAPO baseline run that logs the same
   band metrics); the loss is then stock GRPOTrainer's, bit for bit.
+- ``--delta None`` / ``--band_max_ratio None`` on a command line: build the parser with
+  `argument_parser` (HfArgumentParser parses an optional number as a float only).
 - Metrics: ``band/<name>`` for every fraction of `bandpo_lut.policy_loss` (clip_frac,
   clip_frac_upper, clip_frac_lower, dual_clip_frac, clip_frac_upper_lowprob, ppo_kl, band_width_mean,
   clip_frac_pXX_YY), computed with the settings the loss really uses. Read these: TRL's own
@@ -39,8 +41,12 @@ What changes, and what does not:
 - Refused when the config is built, each naming the setting: a band bandpo_lut cannot compute
   (``band_delta`` outside the shipped table's range, a ``band_divergence`` without a compiled kernel,
   ``band_max_ratio < 1``), TRL's ``delta <= 1`` (``delta`` is the dual-clip cap; the radius is
-  ``band_delta``), ``epsilon``/``epsilon_high`` with the band (they would be ignored), loss types
-  without TRL's two-sided clip ("cispo", "sapo", "vespo") and ``importance_sampling_level="sequence"``.
+  ``band_delta``), ``epsilon``/``epsilon_high`` with the band (they would be ignored), and, whatever
+  ``band_clip``: ``use_liger_kernel=True`` (TRL's Liger path bypasses the hooked loss), loss types
+  without TRL's per-token two-sided clip ("cispo", "sapo", "vespo") and
+  ``importance_sampling_level="sequence"`` (no per-token clip for the band or its metrics).
+  A ``BandGRPOConfig`` given to any trainer but `BandGRPOTrainer` is refused when that trainer is built.
+- Old log-probabilities: passed to bandpo_lut unchanged; one in (0, 2^-9] (rounding) is p = 1 there.
 - Warned once, when the trainer is built: a schedule under which the ratio is identically 1
   (one optimiser step per generation batch, TRL's default), so that no ratio clip ever acts.
 
