@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from datasets import Dataset, load_dataset
+
 from bandpo_lut.integrations.trl import BandGRPOConfig, BandGRPOTrainer, argument_parser
 
 
