@@ -84,7 +84,9 @@ def _check_skyrl() -> None:
         if params != _EXPECTED_PARAMS:
             problems.append(f"SkyRL's policy losses take {params}, this integration implements "
                             f"{_EXPECTED_PARAMS}")
-    check_framework("skyrl-train", version, TESTED_SKYRL, problems)
+    check_framework("skyrl-train", version, TESTED_SKYRL, problems, module="skyrl",
+                    install=f"pip install --no-deps 'skyrl-train=={TESTED_SKYRL[-1]}' (see "
+                            f"requirements-skyrl.txt for its ray and why)")
 
 
 _check_skyrl()
