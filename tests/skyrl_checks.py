@@ -183,6 +183,26 @@ def _():
     return out
 
 
+@check("refused_by_skyrls_startup_validation")
+def _():
+    from hydra import compose, initialize_config_dir
+    from skyrl_train import utils as skyrl_utils
+
+    config_dir = os.path.abspath(os.path.join(os.path.dirname(ppo_utils.__file__), "..", "config"))
+    common = ["trainer.algorithm.policy_loss_type=bandpo", "trainer.logger=console"]
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        good = compose(config_name="ppo_base_config", overrides=common)
+        bad = compose(config_name="ppo_base_config",
+                      overrides=common + ["+trainer.algorithm.band_delta=2.0"])
+    skyrl_utils.validate_cfg(good)
+    try:
+        skyrl_utils.validate_cfg(bad)
+    except ValueError as exc:
+        assert "trainer.algorithm.band_delta=2.0" in str(exc), str(exc)
+        return str(exc)[:80]
+    raise AssertionError("SkyRL's validate_cfg accepted band_delta=2.0")
+
+
 @check("paper_defaults")
 def _():
     s = bsky.check_config(algorithm_config(policy_loss_type="bandpo"))

@@ -52,6 +52,8 @@ CHECKS = {
     "fixed_is_skyrls_loss_bit_for_bit": "band_clip=fixed is SkyRL's ppo_policy_loss, bit for bit",
     "rounding_positive_old_log_prob": "an old log-prob of +6e-8 is p = 1 (finite loss)",
     "bad_settings_refused_naming_the_key": "impossible settings refused, naming trainer.algorithm.<key>",
+    "refused_by_skyrls_startup_validation": "SkyRL's validate_cfg (driver, before Ray) refuses a bad "
+                                            "band setting, naming it",
     "paper_defaults": "no band keys: the paper's settings; null turns the cap / dual clip off",
     "version_policy": "tested version silent; untested same-structure warns; changed convention refused",
 }

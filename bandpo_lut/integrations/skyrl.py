@@ -17,8 +17,9 @@ How it fits SkyRL (tested: `TESTED_SKYRL`):
   ``trainer.algorithm`` section. Checked at import against SkyRL's own ``ppo_policy_loss``; another
   version with that convention imports with a warning, one without it is refused.
 - **Settings** come from ``trainer.algorithm.band_*`` (``+`` because they are new keys), defaulting
-  to the paper's; a bad one is refused by `check_config` (call it on your config before training)
-  and at the latest at the first loss call, naming the key.
+  to the paper's; a bad one is refused, naming the key, by SkyRL's own start-up validation
+  (``skyrl_train.utils.validate_cfg``, in the driver before Ray starts, once this module is imported
+  first), by `check_config`, and at the latest at the first loss call.
 - **Aggregation**: ``trainer.algorithm.loss_reduction`` ("token_mean", "sequence_mean",
   "seq_mean_token_sum_norm") exactly as SkyRL's ``reduce_loss`` (sequence_mean averages over all
   sequences, empty ones counting 0; seq_mean_token_sum_norm divides by ``max_seq_len``).
@@ -35,6 +36,7 @@ How it fits SkyRL (tested: `TESTED_SKYRL`):
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from importlib import metadata
@@ -189,4 +191,29 @@ def compute_policy_loss_bandpo(
     return loss, float(metrics["clip_frac"])
 
 
+def _install_startup_check() -> None:
+    """SkyRL's driver validates its config (``skyrl_train.utils.validate_cfg``) before Ray starts; with
+    policy_loss_type=bandpo, make that also refuse an impossible band setting, naming the key. Takes
+    effect for an entrypoint that imports this module before it imports ``validate_cfg`` (as the
+    documented one does). Any other config validates as before."""
+    from skyrl_train import utils as skyrl_utils
+    from skyrl_train.utils import utils as skyrl_utils_impl
+
+    original = skyrl_utils_impl.validate_cfg
+    if getattr(original, "_bandpo_check", False):
+        return
+
+    @functools.wraps(original)
+    def validate_cfg(cfg):
+        original(cfg)
+        algorithm = cfg.trainer.algorithm
+        if _get(algorithm, "policy_loss_type") == LOSS_NAME:
+            check_config(algorithm)
+
+    validate_cfg._bandpo_check = True
+    skyrl_utils_impl.validate_cfg = validate_cfg
+    skyrl_utils.validate_cfg = validate_cfg
+
+
 ppo_utils.register_policy_loss(LOSS_NAME)(compute_policy_loss_bandpo)
+_install_startup_check()
