@@ -79,7 +79,8 @@ def bounds(p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, max_ratio
             a range end in its own dtype is that end).
         divergence: "kl" (KL(π_old‖π_new), the paper's default), "tv", "chi2" or "hellinger".
         log_p_old: old log-probabilities instead of p_old (exactly one of the two); keeps full accuracy for
-            p near 1, which float32 p cannot represent closer than 6e-8.
+            p near 1, which float32 p cannot represent closer than 6e-8. A value in (0, 2^-9] is rounding
+            and reads as 0 (p = 1); above 2^-9, NaN.
         max_ratio: optional cap of the upper bound (the paper's runs used 10).
     Returns:
         (lower, upper), broadcast over p_old and delta, in their common dtype. p = 0 gives (0, inf) (or

@@ -156,12 +156,20 @@ BANDPO_HD void spline2d(const TableView& tb, T t, T s, T& q_up, T& kappa) {
 }
 
 // ---- probability inputs ----------------------------------------------------------------------------
+// A log-probability in (0, kLogProbRounding] is read as 0 (p = 1): trainers and inference engines produce
+// such values by rounding (a log-softmax of large logits, bfloat16 storage), and exp of any of them rounds to
+// 1 in bfloat16 (half its ulp at 1 is 2^-9). Above it a log-probability is invalid and gives NaN. 2^-9 is
+// exact in every dtype the ops take, so the rule is the same in each. Mirrored by the reference
+// (bandpo_lut/reference/bounds.py, LOG_PROB_ROUNDING).
+constexpr double kLogProbRounding = 0.001953125;  // 2^-9
+
 // p, 1 - p and t = logit(p) from either p or log p. From log p, 1 - p = -expm1(log p) keeps its relative
 // precision for p near 1, where p itself rounds to 1. Out-of-domain inputs become NaN.
 template <bool LOG, typename T>
 BANDPO_HD void prob_terms_t(T x, T& p, T& one_minus_p, T& t) {
   const T nan = T(0) / T(0);
   if (LOG) {
+    x = ((x > T(0)) & (x <= T(kLogProbRounding))) ? T(0) : x;
     p = exp_any(x);
     one_minus_p = -expm1_any(x);
     t = x - log_any(one_minus_p);

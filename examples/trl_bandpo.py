@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """BandPO with TRL's GRPO trainer: a script to copy.
 
-    python examples/trl_bandpo.py                      # tiny Qwen2 built here, CPU, about a minute
+    python examples/trl_bandpo.py                      # tiny Qwen2 built here, CPU, ~30 s
     python examples/trl_bandpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/tldr \
         --learning_rate 1e-6 --max_steps 500 --per_device_train_batch_size 8
 
@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from datasets import Dataset, load_dataset
-from transformers import HfArgumentParser
 
-from bandpo_lut.integrations.trl import BandGRPOConfig, BandGRPOTrainer
+from bandpo_lut.integrations.trl import BandGRPOConfig, BandGRPOTrainer, argument_parser
 
 
 @dataclass
@@ -38,9 +37,10 @@ class ScriptArguments:
 
 
 # Settings for the tiny local model (a random model needs a large learning rate to move in a few
-# dozen steps); each applies only where the command line does not set it.
-TINY_DEFAULTS = dict(learning_rate=0.05, max_steps=30, per_device_train_batch_size=8,
-                     num_generations=4, max_completion_length=8, logging_steps=5, beta=0.0)
+# dozen steps); each applies only where the command line does not set it. 12 steps: at this rate the
+# stand-in reward saturates (all 8 tokens "a", every advantage 0, nothing left to train) near step 14.
+TINY_DEFAULTS = dict(learning_rate=0.05, max_steps=12, per_device_train_batch_size=8,
+                     num_generations=4, max_completion_length=8, logging_steps=2, beta=0.0)
 # For every run: several optimiser steps per generation batch, so that the ratio moves and the
 # band acts (with TRL's default, num_iterations=1, the ratio is 1 and no clip ever acts).
 RUN_DEFAULTS = dict(output_dir="bandpo-trl-example", num_iterations=2, report_to="none",
@@ -82,7 +82,7 @@ def _given(argv: list[str], name: str) -> bool:
 
 def main(argv: Optional[list[str]] = None) -> BandGRPOTrainer:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser((ScriptArguments, BandGRPOConfig))
+    parser = argument_parser(ScriptArguments, BandGRPOConfig)  # HfArgumentParser; --delta None works
     tiny = not _given(argv, "model")
     defaults = {**RUN_DEFAULTS, **(TINY_DEFAULTS if tiny else {})}
     import torch
@@ -109,11 +109,15 @@ def main(argv: Optional[list[str]] = None) -> BandGRPOTrainer:
     trainer.train()
 
     logs = [h for h in trainer.state.log_history if "band/clip_frac" in h]
-    if logs:
-        mean = {k: sum(h[k] for h in logs) / len(logs) for k in
+    # A window whose rewards were all equal (reward_std 0) had no advantage and trained nothing: its
+    # fractions are 0 by construction, so the run's means leave it out and say how many there were.
+    live = [h for h in logs if h.get("reward_std", 1.0) > 0]
+    if live:
+        mean = {k: sum(h[k] for h in live) / len(live) for k in
                 ("band/clip_frac", "band/clip_frac_upper", "band/clip_frac_upper_lowprob",
                  "band/dual_clip_frac", "band/ppo_kl")}
-        print("mean over the run: " + ", ".join(f"{k} {v:.4f}" for k, v in mean.items()))
+        print(f"mean over the {len(live)} of {len(logs)} logging windows with a learning signal "
+              f"(reward_std > 0): " + ", ".join(f"{k} {v:.4f}" for k, v in mean.items()))
     return trainer
 
 

@@ -566,3 +566,62 @@ def test_example_launch_script_builds_the_papers_config(tmp_path):
             pl.band_clip) == ("bandpo", "kl", 0.05, 10, 10, "band")
     # several optimiser steps per rollout batch, so that the ratio moves and the band acts
     assert cfg.data.train_batch_size > cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+
+
+# ---------------------------------------------------------------------------------------------
+# verl's own clip settings under loss_mode=bandpo, and rounding-positive old log-probs (issue 17)
+
+
+def _bandpo_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if str(w.message).startswith("loss_mode=bandpo")]
+
+
+def test_ignored_verl_clip_settings_are_named_once(monkeypatch):
+    """actor.clip_ratio_c / clip_ratio_low / clip_ratio_high set by the user do nothing under
+    loss_mode=bandpo: each is named once, with the band setting that takes its place."""
+    import warnings
+
+    monkeypatch.setattr(bverl, "_warned_ignored", set())
+    cfg = actor_config("actor_rollout_ref.actor.clip_ratio_c=5.0",
+                       "actor_rollout_ref.actor.clip_ratio_high=0.28")
+    b = make_batch(5)
+    with pytest.warns(UserWarning) as record:
+        run_ppo_loss(cfg, b)
+        run_ppo_loss(cfg, b)
+    messages = _bandpo_warnings(record)
+    assert len(messages) == 2, messages
+    assert any("actor.clip_ratio_c=5.0" in m and "band_dual_clip=10" in m for m in messages)
+    assert any("actor.clip_ratio_high=0.28" in m and "band_delta=0.05" in m for m in messages)
+    # verl's defaults, and the fixed baseline's eps (which it uses), are not named
+    for overrides in ([], [*band_overrides(clip="fixed"), "actor_rollout_ref.actor.clip_ratio_high=0.28"]):
+        with warnings.catch_warnings(record=True) as quiet:
+            warnings.simplefilter("always")
+            run_ppo_loss(actor_config(*overrides), b)
+        assert _bandpo_warnings(quiet) == []
+
+
+def test_rounding_positive_old_log_prob_is_p_one_in_verl():
+    """A counted token with old_log_prob = +6e-8 (bf16 or an inference engine's rounding): the loss
+    is finite, like verl's own, and equals a per-token PPO loss whose band for that token is the
+    band at log p = 0 (the reference reader at exactly 0, the p = 1 limit), with the ratio from the
+    old log-prob as given."""
+    cfg = actor_config()
+    b = make_batch(6)
+    rows, cols = b["response_mask"].nonzero(as_tuple=True)
+    b["old"][rows[0], cols[0]] = 6e-8
+    b["old"][rows[-1], cols[-1]] = 2.0 ** -9
+    loss, grad, _ = run_ppo_loss(cfg, b)
+    vanilla, _, _ = run_ppo_loss(actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=vanilla",
+                                              band=False), b)
+    assert torch.isfinite(loss) and torch.isfinite(vanilla) and torch.isfinite(grad).all()
+
+    lp = b["new"].clone().requires_grad_(True)
+    ratio = torch.exp(lp - b["old"])
+    lo, up = reference_bounds(log_p_old=b["old"].clamp(max=0.0), delta=0.05, divergence="kl")
+    adv = b["adv"]
+    per_token = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, lo, up.clamp(max=10)))
+    per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * 10), per_token)
+    want = core_algos.agg_loss(per_token, b["response_mask"], "token-mean", dp_size=1)
+    (want_grad,) = torch.autograd.grad(want, lp)
+    assert_close(loss, want.detach())
+    assert_close(grad, want_grad * b["response_mask"])

@@ -5,9 +5,13 @@
   the ``policy_loss`` config that carries the band settings.
 - `bandpo_lut.integrations.trl`: `BandGRPOConfig` / `BandGRPOTrainer`, TRL's GRPO with the band in
   place of its per-token clip.
+- `bandpo_lut.integrations.skyrl`: importing it registers the SkyRL (skyrl-train) policy loss
+  ``"bandpo"`` (``trainer.algorithm.policy_loss_type=bandpo``), configured by
+  ``trainer.algorithm.band_*``.
 
-Neither submodule is imported here: each needs its framework installed (pinned versions in
-``requirements-integrations.txt``), and importing this package must not require either.
+No submodule is imported here: each needs its framework installed (pinned versions in
+``requirements-integrations.txt`` and ``requirements-skyrl.txt``), and importing this package must not
+require any of them.
 """
 
-__all__ = ["verl", "trl"]
+__all__ = ["verl", "trl", "skyrl"]

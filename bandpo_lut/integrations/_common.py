@@ -62,7 +62,8 @@ def delta_range(divergence: str) -> tuple[float, float, bool]:
     return table.delta_min, table.delta_max, table.delta_max_inclusive
 
 
-def check_framework(package: str, version: str, tested: tuple, problems: list[str]) -> None:
+def check_framework(package: str, version: str, tested: tuple, problems: list[str], *,
+                    module: str | None = None, install: str | None = None) -> None:
     """The version policy, the same for TRL and verl.
 
     - ``problems`` (what the integration checked of the installed package's structure) is not
@@ -72,12 +73,14 @@ def check_framework(package: str, version: str, tested: tuple, problems: list[st
     - otherwise: silent.
     """
     tested_txt = ", ".join(tested)
+    module = module or package
+    install = install or (f"pip install '{package}=={tested[-1]}' (or -r "
+                          f"requirements-integrations.txt)")
     if problems:
-        raise ImportError(f"bandpo_lut.integrations.{package} cannot work with the installed "
+        raise ImportError(f"bandpo_lut.integrations.{module} cannot work with the installed "
                           f"{package} {version}: " + "; ".join(problems) +
-                          f". Tested with {package} {tested_txt}: pip install "
-                          f"'{package}=={tested[-1]}' (or -r requirements-integrations.txt)")
+                          f". Tested with {package} {tested_txt}: {install}")
     if version not in tested:
-        warnings.warn(f"bandpo_lut.integrations.{package}: {package} {version} is not one of the "
+        warnings.warn(f"bandpo_lut.integrations.{module}: {package} {version} is not one of the "
                       f"tested versions ({tested_txt}); the parts of {package} it relies on are "
                       f"where it expects them, so it is used", UserWarning, stacklevel=3)

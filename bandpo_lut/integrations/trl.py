@@ -28,6 +28,8 @@ What changes, and what does not:
   refused (paper: both 10).
 - ``band_clip="fixed"`` keeps TRL's epsilon clip untouched (a PPO/DAPO baseline run that logs the same
   band metrics); the loss is then stock GRPOTrainer's, bit for bit.
+- ``--delta None`` / ``--band_max_ratio None`` on a command line: build the parser with
+  `argument_parser` (HfArgumentParser parses an optional number as a float only).
 - Metrics: ``band/<name>`` for every fraction of `bandpo_lut.policy_loss` (clip_frac,
   clip_frac_upper, clip_frac_lower, dual_clip_frac, clip_frac_upper_lowprob, ppo_kl, band_width_mean,
   clip_frac_pXX_YY), computed with the settings the loss really uses. Read these: TRL's own
@@ -39,8 +41,12 @@ What changes, and what does not:
 - Refused when the config is built, each naming the setting: a band bandpo_lut cannot compute
   (``band_delta`` outside the shipped table's range, a ``band_divergence`` without a compiled kernel,
   ``band_max_ratio < 1``), TRL's ``delta <= 1`` (``delta`` is the dual-clip cap; the radius is
-  ``band_delta``), ``epsilon``/``epsilon_high`` with the band (they would be ignored), loss types
-  without TRL's two-sided clip ("cispo", "sapo", "vespo") and ``importance_sampling_level="sequence"``.
+  ``band_delta``), ``epsilon``/``epsilon_high`` with the band (they would be ignored), and, whatever
+  ``band_clip``: ``use_liger_kernel=True`` (TRL's Liger path bypasses the hooked loss), loss types
+  without TRL's per-token two-sided clip ("cispo", "sapo", "vespo") and
+  ``importance_sampling_level="sequence"`` (no per-token clip for the band or its metrics).
+  A ``BandGRPOConfig`` given to any trainer but `BandGRPOTrainer` is refused when that trainer is built.
+- Old log-probabilities: passed to bandpo_lut unchanged; one in (0, 2^-9] (rounding) is p = 1 there.
 - Warned once, when the trainer is built: a schedule under which the ratio is identically 1
   (one optimiser step per generation batch, TRL's default), so that no ratio clip ever acts.
 
@@ -50,6 +56,7 @@ changed is refused at import with a message saying what is missing.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import warnings
@@ -71,7 +78,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without trl
         "integration requirements: pip install -r requirements-integrations.txt"
     ) from exc
 
-__all__ = ["BandGRPOConfig", "BandGRPOTrainer", "TESTED_TRL", "BAND_LOSS_TYPES"]
+__all__ = ["BandGRPOConfig", "BandGRPOTrainer", "TESTED_TRL", "BAND_LOSS_TYPES", "argument_parser"]
 
 TESTED_TRL = ("1.14.2", "1.16.0")
 BAND_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss types with TRL's clip
@@ -135,6 +142,24 @@ def _ratio_clip_is_inert(args) -> bool:
     return args.gradient_accumulation_steps % generate_every == 0
 
 
+def _inert_schedule_message(a) -> str:
+    """The warning for `_ratio_clip_is_inert`: the real condition, and a num_iterations that fixes it."""
+    uses = a.steps_per_generation * a.num_iterations
+    fix = a.num_iterations + 1
+    while a.gradient_accumulation_steps % (a.steps_per_generation * fix) == 0:
+        fix += 1
+    return (f"BandGRPOTrainer: with num_iterations={a.num_iterations}, steps_per_generation="
+            f"{a.steps_per_generation} and gradient_accumulation_steps="
+            f"{a.gradient_accumulation_steps}, each generation batch is used for steps_per_generation "
+            f"x num_iterations = {uses} micro-batches and the optimiser steps every "
+            f"gradient_accumulation_steps = {a.gradient_accumulation_steps}, a multiple of {uses}: every "
+            f"optimiser step sees a fresh generation batch, trained with the weights that generated it, "
+            f"so the ratio pi/pi_old is 1 for every token and no ratio clip acts: the band (and the "
+            f"dual clip) never clips, and this trains plain on-policy GRPO. For the band to act, the "
+            f"weights must change while a generation batch is in use, i.e. gradient_accumulation_steps "
+            f"must not be a multiple of steps_per_generation x num_iterations: e.g. num_iterations={fix}.")
+
+
 @dataclass
 class BandGRPOConfig(GRPOConfig):
     """TRL's `GRPOConfig` plus BandPO's settings (every GRPOConfig argument works as in TRL).
@@ -163,12 +188,44 @@ class BandGRPOConfig(GRPOConfig):
                 "trust-region radius is band_delta."})
 
     def __post_init__(self):
+        _refuse_liger(self)
         super().__post_init__()
         _validate(self)
 
 
+def _refuse_liger(a) -> None:
+    """TRL's Liger path computes the loss outside `_compute_loss`, the method the band hooks (TRL
+    1.14: `compute_liger_loss`, Liger's fused-linear GRPO loss with its scalar epsilon), so the run
+    would train TRL's fixed clip and log no band metrics. Checked before GRPOConfig's own checks, so
+    that this message, not one about Liger's installation, is what the user reads."""
+    if getattr(a, "use_liger_kernel", False):
+        raise ValueError("use_liger_kernel=True: TRL then computes the GRPO loss in Liger's fused-linear "
+                         "kernel with its scalar epsilon clip, not in the loss the band replaces, so "
+                         "the band would be silently ignored. Set use_liger_kernel=False; for a loss "
+                         "that never materialises the logits, use band_fused_linear=True "
+                         "(BandGRPOTrainer's own fused-linear band loss)")
+
+
+def _refuse_unclipped_loss(a) -> None:
+    """Loss types without TRL's per-token two-sided clip, and sequence-level importance sampling,
+    have no clip for the band to replace nor for the band/* metrics to describe (they would report
+    a clip fraction for a clip the loss never applies): refused whatever band_clip is."""
+    if a.loss_type not in BAND_LOSS_TYPES:
+        raise ValueError(f"loss_type={a.loss_type!r} has no per-token two-sided ratio clip for the band "
+                         f"to replace or for the band/* metrics to describe (BandGRPOConfig works "
+                         f"with loss_type in {BAND_LOSS_TYPES}). To train {a.loss_type!r} unchanged, "
+                         f"use TRL's own GRPOConfig and GRPOTrainer")
+    if a.importance_sampling_level != "token":
+        raise ValueError("importance_sampling_level must be 'token' in BandGRPOConfig (the band and its "
+                         "band/* metrics are per token, from each token's p_old), got "
+                         f"{a.importance_sampling_level!r}. For sequence-level importance sampling "
+                         f"(GSPO; TRL's recommendation for luspo), use TRL's own GRPOConfig and "
+                         f"GRPOTrainer")
+
+
 def _validate(a) -> None:
     """Refuse every setting that would not train what it says (see the module docstring)."""
+    _refuse_liger(a)
     if a.band_clip not in ("band", "fixed"):
         raise ValueError(f"band_clip must be 'band' or 'fixed', got {a.band_clip!r}")
     check_band(a.band_divergence, a.band_delta, a.band_max_ratio,
@@ -180,16 +237,9 @@ def _validate(a) -> None:
         raise ValueError(f"delta={a.delta!r}: in TRL's GRPOConfig, delta is the two-sided clip that "
                          f"caps the ratio (here: dual-clip PPO's cap for A < 0), a number > 1 "
                          f"(paper: {PAPER['dual_clip']:g}), or None for no dual clip.{hint}")
+    _refuse_unclipped_loss(a)
     if a.band_clip != "band":
         return
-    if a.loss_type not in BAND_LOSS_TYPES:
-        raise ValueError(f"loss_type={a.loss_type!r} has no two-sided ratio clip for the band to "
-                         f"replace (BandPO works with loss_type in {BAND_LOSS_TYPES}); use "
-                         f"band_clip='fixed' to run it unchanged")
-    if a.importance_sampling_level != "token":
-        raise ValueError("importance_sampling_level must be 'token' with band_clip='band' (the band "
-                         "depends on each token's p_old), got "
-                         f"{a.importance_sampling_level!r}")
     if a.epsilon != 0.2 or a.epsilon_high is not None:
         raise ValueError(f"epsilon={a.epsilon!r}, epsilon_high={a.epsilon_high!r}: TRL's fixed "
                          f"clip [1 - epsilon, 1 + epsilon_high] is replaced by the band with "
@@ -235,6 +285,53 @@ class _BandEdge:
         return f"_BandEdge({self.side}, shape={tuple(self.bound.shape)})"
 
 
+def _install_config_guard() -> None:
+    """A `BandGRPOConfig` given to a trainer that does not apply it (TRL's own GRPOTrainer, or another
+    subclass of it) would train stock TRL with every band setting ignored: refuse it there, before the
+    model loads. Only that call changes; every other construction runs GRPOTrainer's __init__."""
+    original = GRPOTrainer.__init__
+    if getattr(original, "_bandpo_guard", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        if not isinstance(self, BandGRPOTrainer):
+            try:
+                given = signature.bind_partial(self, *args, **kwargs).arguments.get("args")
+            except TypeError:
+                given = None  # GRPOTrainer reports its own argument error
+            if isinstance(given, BandGRPOConfig):
+                raise TypeError(f"{type(self).__name__} got args=BandGRPOConfig(...), but only "
+                                f"BandGRPOTrainer applies the band: {type(self).__name__} would train "
+                                f"TRL's fixed clip and ignore every band_* setting. Use "
+                                f"bandpo_lut.integrations.trl.BandGRPOTrainer (same arguments)")
+        original(self, *args, **kwargs)
+
+    __init__._bandpo_guard = True
+    GRPOTrainer.__init__ = __init__
+
+
+def argument_parser(*dataclass_types):
+    """`transformers.HfArgumentParser` over ``dataclass_types`` (one of them BandGRPOConfig) where
+    ``--delta None`` and ``--band_max_ratio None`` mean None, as their help says (HfArgumentParser
+    parses an Optional[float] flag as a float only, so "None" fails there)."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(dataclass_types)
+    for action in parser._actions:  # argparse's list of flags; the only way to change one's type
+        if action.dest in _NONE_FLAGS:
+            action.type = _float_or_none
+    return parser
+
+
+_NONE_FLAGS = ("delta", "band_max_ratio")
+
+
+def _float_or_none(text: str):
+    return None if text.strip().lower() in ("none", "null") else float(text)
+
+
 def _counts_and_fractions():
     from bandpo_lut.loss_spec import COUNTS, FRACTIONS, metrics_from_counts
 
@@ -255,16 +352,7 @@ class BandGRPOTrainer(GRPOTrainer):
         _validate(self.args)  # again: the config may have been edited since it was built
         self._band_counts = {"train": None, "eval": None}
         if _ratio_clip_is_inert(self.args):
-            a = self.args
-            warnings.warn(
-                f"BandGRPOTrainer: with num_iterations={a.num_iterations}, steps_per_generation="
-                f"{a.steps_per_generation} and gradient_accumulation_steps="
-                f"{a.gradient_accumulation_steps}, every generation batch is trained on with the "
-                f"weights that generated it, so the ratio pi/pi_old is 1 for every token and no "
-                f"ratio clip acts: the band (and the dual clip) never clips, and this trains plain "
-                f"on-policy GRPO. For the band to act, take several optimiser steps per generation: "
-                f"num_iterations=2 (or more), or steps_per_generation > "
-                f"gradient_accumulation_steps.", UserWarning, stacklevel=2)
+            warnings.warn(_inert_schedule_message(self.args), UserWarning, stacklevel=2)
 
     # -- the loss ---------------------------------------------------------------------------
 
@@ -297,10 +385,9 @@ class BandGRPOTrainer(GRPOTrainer):
         if self.args.band_clip == "band" and old is not None:
             # (old is None means TRL uses the current log-probs: ratio == 1, nothing to clip.)
             with torch.no_grad():
-                # log-probs are <= 0; a rounding-positive one must not become a NaN bound (a NaN
-                # bound on a padded token would still poison TRL's masked sum)
-                log_p_old = torch.clamp(old.detach(), max=0.0)
-                lo, up = bandpo_lut.bounds(log_p_old=log_p_old, delta=self.args.band_delta,
+                # A log-probability a hair above 0 (rounding) is p = 1 in bandpo_lut itself
+                # (LOG_PROB_ROUNDING); a clearly invalid one gives a NaN bound, as in every integration.
+                lo, up = bandpo_lut.bounds(log_p_old=old.detach(), delta=self.args.band_delta,
                                            divergence=self.args.band_divergence,
                                            max_ratio=self._upper_cap())
             self.epsilon_low = _BandEdge(lo.to(old.dtype), "low")
@@ -352,3 +439,6 @@ class BandGRPOTrainer(GRPOTrainer):
             logs.update({f"{prefix}band/{k}": v for k, v in zip(fraction_names, values)})
             self._band_counts[mode] = None
         super().log(logs, start_time)
+
+
+_install_config_guard()

@@ -57,6 +57,7 @@ import difflib
 import functools
 import inspect
 import logging
+import warnings
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -290,6 +291,7 @@ def compute_policy_loss_bandpo(
     if config is None:
         raise ValueError("compute_policy_loss_bandpo: config (the actor config) is required")
     s = _band_settings(_cfg_get(config, "policy_loss"))
+    _warn_ignored_verl_clips(config, s)
 
     kwargs = dict(max_ratio=s["band_max_ratio"], dual_clip=s["band_dual_clip"],
                   clip=s["band_clip"], mode=s["band_mode"])
@@ -348,6 +350,38 @@ def compute_policy_loss_bandpo(
         raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
 
     return loss, _verl_metrics(metrics, s["band_log_counts"])
+
+
+# verl's own clip settings (actor config) and their defaults; with loss_mode=bandpo a value other than the
+# default is a setting the user expects to act, so it is named once in the log with what replaces it.
+_VERL_CLIP_DEFAULTS = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
+_warned_ignored: set = set()
+
+
+def _ignored_verl_clips(config, s: dict) -> list[str]:
+    """verl clip settings given a non-default value that the bandpo loss does not use, each with the
+    band setting that takes its place."""
+    out = []
+    for key, default in _VERL_CLIP_DEFAULTS.items():
+        value = _cfg_get(config, key, None)
+        if value is None or value == default:
+            continue
+        if key == "clip_ratio_c":
+            out.append(f"actor.clip_ratio_c={value!r} (verl's dual clip) is not used: the dual clip is "
+                       f"{_SECTION}.band_dual_clip={s['band_dual_clip']!r}")
+        elif s["band_clip"] == "band":
+            out.append(f"actor.{key}={value!r} (verl's fixed clip) is not used: the clip is the band of "
+                       f"{_SECTION}.band_delta={s['band_delta']!r} (band_divergence="
+                       f"{s['band_divergence']!r}, band_max_ratio={s['band_max_ratio']!r})")
+    return out
+
+
+def _warn_ignored_verl_clips(config, s: dict) -> None:
+    """Warn once per distinct message (the loss runs every micro-batch; the log should say it once)."""
+    for message in _ignored_verl_clips(config, s):
+        if message not in _warned_ignored:
+            _warned_ignored.add(message)
+            warnings.warn(f"loss_mode=bandpo: {message}", UserWarning, stacklevel=3)
 
 
 def _verl_metrics(metrics: dict, log_counts: bool) -> dict[str, torch.Tensor]:

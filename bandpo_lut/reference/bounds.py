@@ -16,6 +16,7 @@ header describes:
    are applied to the exact equation in q.
 
 NaN in gives NaN out; a tensor δ outside the table's range gives NaN (a Python-number δ raises).
+A log-probability in (0, LOG_PROB_ROUNDING] is rounding and reads as 0 (p = 1); above it, NaN.
 """
 from __future__ import annotations
 
@@ -27,6 +28,12 @@ from .. import divergences as _div
 from .. import tables as _tables
 
 _NEWTON_TAIL_STEPS = 4
+
+# A log-probability a hair above 0 comes from rounding (a log-softmax of large logits, bfloat16 storage,
+# an inference engine's arithmetic) and means p = 1: every value in (0, 2^-9] has exp(x) round to 1 in
+# bfloat16. Above 2^-9 it is not a log-probability: NaN. The compiled kernels apply the same rule
+# (csrc/bandpo_math.h, kLogProbRounding); 2^-9 is exact in every floating dtype.
+LOG_PROB_ROUNDING = 2.0 ** -9
 
 
 def _spline_eval(coef: torch.Tensor, ax_t, ax_s, t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -80,7 +87,8 @@ def bounds(p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, table=Non
         p_old: tensor of probabilities in [0, 1] (float32 or float64, any device).
         delta: trust-region radius, a Python number or a tensor broadcastable to p_old.
         divergence: registry name ("kl", "tv", "chi2", ... see `bandpo_lut.divergences.names()`).
-        log_p_old: alternatively, log-probabilities (≤ 0); keeps full accuracy for p near 1.
+        log_p_old: alternatively, log-probabilities (≤ 0, or ≤ LOG_PROB_ROUNDING, read as 0); keeps full
+            accuracy for p near 1.
         table: a `bandpo_lut.tables.Table` to read instead of the shipped one.
     Returns:
         (lower, upper) in the input's dtype, broadcast to the common shape. p = 0 gives (0, inf).
@@ -104,6 +112,7 @@ def bounds(p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, table=Non
         p = x64
         omp = 1 - p
     else:
+        x64 = torch.where((x64 > 0) & (x64 <= LOG_PROB_ROUNDING), torch.zeros_like(x64), x64)
         p = torch.exp(x64)
         omp = -torch.expm1(x64)
     p, omp, d = torch.broadcast_tensors(p, omp, d)
