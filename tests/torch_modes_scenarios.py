@@ -95,7 +95,8 @@ def scenario_inference_mode_first():
         bandpo_lut.bounds(p, 0.05, "tv")
         close(bandpo_lut.policy_loss(lp, olp, adv)[0], ref_loss(lp, olp, adv, 0.05), "loss in inference mode")
     from bandpo_lut import table_cache
-    assert not any(t.is_inference() for t in table_cache._COEFFICIENTS.values()), "a cached table is an inference tensor"
+    cached = table_cache._COEFFICIENTS.values()
+    assert not any(t.is_inference() for t in cached), "a cached table is an inference tensor"
     for backend in ("aot_eager", None):
         x = lp.clone().requires_grad_()
         fn = (lambda f: f) if backend is None else torch.compile(backend=backend, fullgraph=True)
