@@ -195,7 +195,7 @@ def _():
         expect_error(lambda: borl.BandPolicyLoss(is_correction_level="token"),
                      "--algo.advantage.is_correction_level"),
         # the launcher: before Ray starts
-        expect_error(lambda: borl.parse_band_args(["--band.delta", "7", "--pretrain", "x"]), "--band.delta"),
+        expect_error(lambda: borl.parse_band_args(["--band.delta", "7", "--data.prompt_dataset", "x"]), "--band.delta"),
         expect_error(lambda: borl.parse_band_args(["--actor.policy_loss_type", "gspo"]),
                      "--actor.policy_loss_type"),
         expect_error(lambda: borl.parse_band_args(["--algo.advantage.is_correction_level", "seq"]),
@@ -212,10 +212,10 @@ def _():
 @check("paper_defaults_and_launcher_args")
 def _():
     assert borl.BandSettings() == borl.BandSettings("kl", 0.05, 10.0, 10.0, "band")
-    s, rest = borl.parse_band_args(["--pretrain", "m", "--band.max_ratio", "None", "--band.delta", "0.1",
-                                    "--actor.dual_clip", "3"])
+    s, rest = borl.parse_band_args(["--actor.model_name_or_path", "m", "--band.max_ratio", "None",
+                                    "--band.delta", "0.1", "--actor.dual_clip", "3"])
     assert (s.delta, s.max_ratio, s.dual_clip) == (0.1, None, 10.0), s
-    assert rest == ["--pretrain", "m", "--actor.dual_clip", "3"], rest
+    assert rest == ["--actor.model_name_or_path", "m", "--actor.dual_clip", "3"], rest
     return "ok"
 
 

@@ -75,7 +75,7 @@ def test_openrlhf(results, name):
 def test_launcher_refuses_before_ray(tmp_path):
     """The documented command line with an impossible band: refused, naming the argument, before
     OpenRLHF's trainer (and Ray) is imported."""
-    proc = run_fresh(["-m", "bandpo_lut.integrations.openrlhf", "--pretrain", "Qwen/Qwen3-0.6B",
+    proc = run_fresh(["-m", "bandpo_lut.integrations.openrlhf", "--actor.model_name_or_path", "Qwen/Qwen3-0.6B",
                       "--band.delta", "7"], cwd=tmp_path, env=site_env())
     assert proc.returncode != 0
     assert "--band.delta=7.0 is outside the range" in proc.stderr, proc.stderr[-2000:]

@@ -30,6 +30,8 @@ How it fits OpenRLHF (tested: `TESTED_OPENRLHF`):
   fraction of `bandpo_lut.policy_loss` is added to ``experience.info`` as ``band_<name>`` (0-dim, so
   OpenRLHF weights it by tokens across micro-batches and ranks and logs it as ``train/band_<name>``).
 - **Old log-probabilities** pass to bandpo_lut unchanged (one in (0, 2^-9] is p = 1 there).
+- **Install**: OpenRLHF as it documents (GPU, flash-attn); the tests use requirements-openrlhf.txt
+  (openrlhf without its GPU dependencies, plus deepspeed).
 """
 from __future__ import annotations
 
