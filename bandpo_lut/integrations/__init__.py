@@ -8,10 +8,13 @@
 - `bandpo_lut.integrations.skyrl`: importing it registers the SkyRL (skyrl-train) policy loss
   ``"bandpo"`` (``trainer.algorithm.policy_loss_type=bandpo``), configured by
   ``trainer.algorithm.band_*``.
+- `bandpo_lut.integrations.openrlhf`: `BandPolicyLoss` (OpenRLHF's ``PolicyLoss`` with the band) and
+  the launcher ``python -m bandpo_lut.integrations.openrlhf <train_ppo_ray args> --band.delta ...``,
+  which activates it in every Ray worker.
 
 No submodule is imported here: each needs its framework installed (pinned versions in
-``requirements-integrations.txt`` and ``requirements-skyrl.txt``), and importing this package must not
-require any of them.
+``requirements-integrations.txt``, ``requirements-skyrl.txt`` and ``requirements-openrlhf.txt``), and
+importing this package must not require any of them.
 """
 
-__all__ = ["verl", "trl", "skyrl"]
+__all__ = ["verl", "trl", "skyrl", "openrlhf"]

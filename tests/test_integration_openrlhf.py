@@ -1,0 +1,82 @@
+"""The OpenRLHF plug-in (bandpo_lut.integrations.openrlhf) against the real openrlhf (pinned in
+requirements-openrlhf.txt, with the real deepspeed its loss module's utils import).
+
+openrlhf 0.11.2 pins flash-attn (a CUDA build), ray 2.55 and transformers 5.15, so it is installed apart,
+without dependencies, into a folder of its own (``.openrlhf-site`` at the repository root, or
+``$BANDPO_OPENRLHF_SITE``)::
+
+    pip install --no-deps --no-build-isolation --target .openrlhf-site -r requirements-openrlhf.txt
+
+and the checks (tests/openrlhf_checks.py) run once, in a fresh interpreter with that folder on PYTHONPATH
+(after the tested package and the venv, so that openrlhf's own top-level ``tests`` package shadows
+nothing). A missing folder is an error, not a skip; BANDPO_SKIP_INTEGRATIONS=1 skips this module.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("BANDPO_SKIP_INTEGRATIONS") == "1":
+    pytest.skip("BANDPO_SKIP_INTEGRATIONS=1", allow_module_level=True)
+
+from helpers import fresh_env, run_fresh  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SITE = Path(os.environ.get("BANDPO_OPENRLHF_SITE", REPO / ".openrlhf-site"))
+INSTALL = "pip install --no-deps --no-build-isolation --target .openrlhf-site -r requirements-openrlhf.txt"
+
+
+def site_env():
+    if not (SITE / "openrlhf").is_dir():
+        pytest.fail(f"openrlhf is not installed in {SITE}: run `{INSTALL}` at the repository root "
+                    f"(or set BANDPO_OPENRLHF_SITE; BANDPO_SKIP_INTEGRATIONS=1 skips this module)")
+    env = fresh_env(BANDPO_OPENRLHF_SITE=SITE)
+    env["PYTHONPATH"] = os.pathsep.join([p for p in env["PYTHONPATH"].split(os.pathsep) if p] + [str(SITE)])
+    return env
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    env = site_env()
+    proc = run_fresh([REPO / "tests" / "openrlhf_checks.py"], cwd=tmp_path_factory.mktemp("openrlhf"),
+                     env=env, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+CHECKS = {
+    "real_packages": "openrlhf.models.loss, .utils and deepspeed are the real installed modules",
+    "token_mean_equals_policy_loss": "loss and gradient equal bandpo_lut.policy_loss (paper's settings)",
+    "aggregations_equal_openrlhfs_aggregate_loss": "token-mean and seq-mean-token-mean, local and global "
+                                                   "(dp_size, batch_num_tokens, global_batch_size): an "
+                                                   "independent band loss through OpenRLHF's aggregate_loss",
+    "fixed_is_openrlhfs_loss_bit_for_bit": "band.clip=fixed is OpenRLHF's PolicyLoss, bit for bit",
+    "band_metrics_in_openrlhfs_logging": "ppo_clip_ratio/ppo_kl as OpenRLHF's; band_* 0-dim metrics reach "
+                                         "experience.info",
+    "rounding_positive_old_log_prob": "an old log-prob of +6e-8 is p = 1 (finite loss and gradient)",
+    "bad_settings_refused_naming_the_argument": "impossible settings and unsupported OpenRLHF modes refused, "
+                                                "naming the argument (the launcher: before Ray)",
+    "paper_defaults_and_launcher_args": "the paper's settings by default; --band.* removed from OpenRLHF's "
+                                        "arguments; None turns the cap off",
+    "activate_rebinds_policyloss_and_ray_hook": "activate() makes PolicyLoss(...) build the band loss; the "
+                                                "launcher's ray.init adds the worker hook and settings",
+    "version_policy": "tested version silent; untested same-structure warns; changed convention refused",
+}
+
+
+@pytest.mark.parametrize("name", list(CHECKS), ids=list(CHECKS))
+def test_openrlhf(results, name):
+    ok, detail = results[name]
+    assert ok, f"{CHECKS[name]}: {detail}"
+
+
+def test_launcher_refuses_before_ray(tmp_path):
+    """The documented command line with an impossible band: refused, naming the argument, before
+    OpenRLHF's trainer (and Ray) is imported."""
+    proc = run_fresh(["-m", "bandpo_lut.integrations.openrlhf", "--actor.model_name_or_path", "Qwen/Qwen3-0.6B",
+                      "--band.delta", "7"], cwd=tmp_path, env=site_env())
+    assert proc.returncode != 0
+    assert "--band.delta=7.0 is outside the range" in proc.stderr, proc.stderr[-2000:]
+    assert "train_ppo_ray" not in proc.stderr and "ray/" not in proc.stderr, proc.stderr[-2000:]
