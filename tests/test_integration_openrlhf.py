@@ -26,7 +26,7 @@ from helpers import fresh_env, run_fresh  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SITE = Path(os.environ.get("BANDPO_OPENRLHF_SITE", REPO / ".openrlhf-site"))
-INSTALL = "pip install --no-deps --no-build-isolation --target .openrlhf-site -r requirements-openrlhf.txt"
+INSTALL = "bash tools/install_test_needs.sh"   # the README's test set-up, which installs it there
 
 
 def site_env():

@@ -26,8 +26,7 @@ from helpers import fresh_env, run_fresh  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SITE = Path(os.environ.get("BANDPO_SKYRL_SITE", REPO / ".skyrl-site"))
-INSTALL = ("pip install --no-deps --ignore-requires-python --upgrade --target .skyrl-site "
-           "-r requirements-skyrl.txt")
+INSTALL = "bash tools/install_test_needs.sh"   # the README's test set-up, which installs it there
 
 
 @pytest.fixture(scope="module")
