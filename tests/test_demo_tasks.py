@@ -34,6 +34,8 @@ def tiny_config(task: str, **changes) -> TaskConfig:
     return TaskConfig(**{**cfg, **changes})
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("task", ["random-reward", "rare-correct"])
 def test_task_runs_from_the_command_line(task, tmp_path):
     """Each task as a user starts it (a fresh process): every method's summary line, a figure."""
@@ -89,6 +91,7 @@ def _z(x: torch.Tensor) -> float:
     return float(x.mean() / (x.std() / len(x) ** 0.5))
 
 
+@pytest.mark.slow
 def test_random_reward_reference_has_zero_expected_gradient():
     """With coin-flip rewards, the unclipped policy gradient is zero in expectation: over 300 seeds its mean
     along log p_old and on the top tokens lies within 4 standard errors of 0. The same measure on

@@ -24,6 +24,8 @@ if os.environ.get("BANDPO_SKIP_INTEGRATIONS") == "1":
 
 from helpers import fresh_env, run_fresh  # noqa: E402
 
+pytestmark = [pytest.mark.integration, pytest.mark.subprocess, pytest.mark.slow]
+
 REPO = Path(__file__).resolve().parents[1]
 SITE = Path(os.environ.get("BANDPO_SKYRL_SITE", REPO / ".skyrl-site"))
 INSTALL = "bash tools/install_test_needs.sh"   # the README's test set-up, which installs it there

@@ -141,12 +141,16 @@ def test_band_policy_loss_per_token_delta_is_module_state(device):
     torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("scenario", ["delta_schedule", "inference_mode_first", "jit_trace_first"])
 def test_first_use_scenario(scenario, tmp_path):
     proc = run_fresh([SCENARIOS, scenario], cwd=tmp_path, check=True)
     assert f"ok {scenario}" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_saved_programs_load_after_import_alone(tmp_path):
     run_fresh([SCENARIOS, "save_programs", tmp_path], cwd=tmp_path, check=True)
     proc = run_fresh([SCENARIOS, "load_programs", tmp_path], cwd=tmp_path, check=True)
