@@ -174,12 +174,10 @@ class _FusedLinearLoss(torch.autograd.Function):
 
         any_grad = any(needs)
         if any_grad or ref is not None:
-            # The normalisers: row_scale of the compiled forward on zeros with the real mask (it reads only
-            # the mask), repeated per token. clip="fixed" there: the zeros need no table.
+            # The normalisers: row_scale of the compiled forward run on zeros with the real mask and settings
+            # (row_scale reads only the mask and agg), repeated per token.
             zeros = torch.zeros((batch, steps), dtype=dtype, device=hidden.device)
-            fixed = _loss.op_inputs(zeros, zeros, zeros, None, 0.05, "kl", None, None,
-                                    _spec.AGGS[agg_id], "fixed", "clip", None, None)[5]
-            row_scale = ops.policy_loss_fwd(zeros, zeros, zeros, mask, None, *fixed, agg_id)[2]
+            row_scale = ops.policy_loss_fwd(zeros, zeros, zeros, mask, delta_t, *settings, agg_id)[2]
             token_scale = row_scale.repeat_interleave(steps)                    # (tokens,) float64
             one = torch.ones((), dtype=dtype, device=hidden.device)
         if ref is not None:
