@@ -22,8 +22,8 @@ def build_info() -> dict:
     return info
 
 
-__all__ = ["bounds", "fused_linear_policy_loss", "clip", "policy_loss", "BandPolicyLoss", "metrics_from_counts", "COUNTS", "FRACTIONS",
-           "build_info", "divergence_names", "__version__"]
+__all__ = ["bounds", "clip", "policy_loss", "fused_linear_policy_loss", "BandPolicyLoss", "metrics_from_counts",
+           "COUNTS", "FRACTIONS", "build_info", "divergence_names", "__version__"]
 
 
 def __getattr__(name: str):

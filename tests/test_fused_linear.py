@@ -234,7 +234,8 @@ def test_compiles_fullgraph_in_a_fresh_process(tmp_path):
 import torch, bandpo_lut
 g = torch.Generator().manual_seed(0)
 h = torch.randn(2, 5, 8, generator=g, requires_grad=True); W = torch.randn(30, 8, generator=g, requires_grad=True)
-ids = torch.randint(0, 30, (2, 5), generator=g); old = -torch.rand(2, 5, generator=g); adv = torch.randn(2, 5, generator=g)
+ids = torch.randint(0, 30, (2, 5), generator=g)
+old, adv = -torch.rand(2, 5, generator=g), torch.randn(2, 5, generator=g)
 mask = torch.rand(2, 5, generator=g) > 0.2
 def f(h, W):
     loss, m, ent = bandpo_lut.fused_linear_policy_loss(h, W, ids, old, adv, mask, chunk_size=4, dual_clip=3.0,
