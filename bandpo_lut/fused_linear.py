@@ -52,7 +52,7 @@ def default_chunk_size(n_tokens: int, vocab: int) -> int:
 def fused_linear_policy_loss(hidden, weight, token_ids, old_log_prob, advantages, mask=None, *, bias=None,
                              temperature=1.0, chunk_size=None, ref_log_prob=None, beta=0.0, return_entropy=False,
                              delta=0.05, divergence="kl", max_ratio=None, dual_clip=None, agg="token-mean",
-                             clip="band", mode="clip", eps_low=None, eps_high=None):
+                             clip="band", mode="clip", eps_low=None, eps_high=None, _with_log_prob=False):
     """`bandpo_lut.policy_loss` of the log-probs of `token_ids` under `(hidden @ weight.T + bias) / temperature`,
     computed chunk by chunk without the full logits (see the module docstring).
 
@@ -88,12 +88,14 @@ def fused_linear_policy_loss(hidden, weight, token_ids, old_log_prob, advantages
     ref = None
     if ref_log_prob is not None:
         ref = ref_log_prob.detach().to(dtype)
-    loss, metric_vec, kl_mean, entropy = _FusedLinearLoss.apply(
+    loss, metric_vec, kl_mean, entropy, log_prob = _FusedLinearLoss.apply(
         hidden, weight, bias, token_ids, olp, adv, mask_op, delta_t, ref, settings,
         (float(temperature), chunk, float(beta), _spec.AGG_ID[agg], needs, return_entropy))
     metrics = dict(zip(_spec.METRICS, metric_vec.unbind()))
     if ref_log_prob is not None:
         metrics["kl"] = kl_mean
+    if _with_log_prob:
+        return loss, metrics, entropy, log_prob
     return (loss, metrics, entropy) if return_entropy else (loss, metrics)
 
 
@@ -243,8 +245,9 @@ class _FusedLinearLoss(torch.autograd.Function):
                    else loss.new_zeros((0,), dtype=acc))
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.shapes = (hidden.shape, hidden.dtype, weight.dtype)
-        ctx.mark_non_differentiable(metric_vec, kl_mean, entropy)
-        return loss, metric_vec, kl_mean, entropy
+        log_prob = log_prob.detach()
+        ctx.mark_non_differentiable(metric_vec, kl_mean, entropy, log_prob)
+        return loss, metric_vec, kl_mean, entropy, log_prob
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
