@@ -152,12 +152,13 @@ def _per_token(x, batch, steps):
     return x.expand(batch, steps).reshape(batch * steps, 1)
 
 
-def _chunk_grad_logits(probs, g, idx, temperature):
-    """In place: probs (the chunk's softmax) becomes d loss / d logits = g * (onehot(idx) - probs) / T."""
+def _chunk_grad_logits(exps, total, g, idx, temperature):
+    """In place: exps (the chunk's exp(z - max), row sums `total`) becomes d loss / d logits
+    = g * (onehot(idx) - softmax) / T, the softmax's normalisation folded into the one scaling pass."""
     scale = g / temperature
-    probs.mul_(-scale.unsqueeze(1))
-    probs.scatter_add_(1, idx.unsqueeze(1), scale.unsqueeze(1))
-    return probs
+    exps.mul_((-scale / total).unsqueeze(1))
+    exps.scatter_add_(1, idx.unsqueeze(1), scale.unsqueeze(1))
+    return exps
 
 
 class _FusedLinearLoss(torch.autograd.Function):
@@ -196,24 +197,30 @@ class _FusedLinearLoss(torch.autograd.Function):
         for start in range(0, n_tokens, chunk):
             end = min(start + chunk, n_tokens)
             h = h2[start:end]
-            logits = h @ weight.t()
-            if bias is not None:
-                logits = logits + bias
+            logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
             logits = logits.to(acc)
             if temperature != 1.0:
-                logits = logits / temperature
-            lse = torch.logsumexp(logits, dim=1)
+                logits.div_(temperature)
+            # log-softmax in place, without logsumexp's chunk-sized temporary: z - max, then exp
+            logits.sub_(logits.amax(dim=1, keepdim=True))
             ids_c = ids[start:end]
             in_range = (ids_c >= 0) & (ids_c < vocab)
             idx = torch.where(in_range, ids_c, torch.zeros_like(ids_c))
-            chosen = logits.gather(1, idx.unsqueeze(1)).squeeze(1) - lse
-            lp_c = torch.where(in_range, chosen, torch.full_like(chosen, math.nan))
-            log_probs.append(lp_c)
-            logq = logits.sub_(lse.unsqueeze(1))                 # in place: the chunk's log-softmax
-            probs = torch.exp(logq)
+            chosen = logits.gather(1, idx.unsqueeze(1)).squeeze(1)
             if want_entropy:
-                entropies.append(-(probs * logq).sum(dim=1))
-            del logits, logq
+                probs = torch.exp(logits)
+                total = probs.sum(dim=1)
+                log_total = torch.log(total)
+                # H = log(sum e) - sum p (z - max), the dot product batched: no third chunk x vocab buffer
+                dot = (probs.unsqueeze(1) @ logits.unsqueeze(2)).reshape(-1)
+                entropies.append(log_total - dot / total)
+            else:
+                probs = logits.exp_()                           # in place: one chunk x vocab buffer in all
+                total = probs.sum(dim=1)
+                log_total = torch.log(total)
+            lp_c = torch.where(in_range, chosen - log_total, torch.full_like(chosen, math.nan))
+            log_probs.append(lp_c)
+            del logits
             if not any_grad:
                 continue
             lp_tok = lp_c.to(dtype).unsqueeze(1)
@@ -225,11 +232,14 @@ class _FusedLinearLoss(torch.autograd.Function):
             if ref is not None:   # d(beta * w * scale * k3)/d lp = beta * w * scale * (1 - exp(ref - lp))
                 kl_g = kl_scale[sl] * (1.0 - torch.exp(ref_t[sl] - lp_c.to(dtype)))
                 g = g + torch.where(kl_scale[sl] != 0, kl_g, torch.zeros_like(kl_g))
-            grad_logits = _chunk_grad_logits(probs, g.to(acc), idx, temperature).to(weight.dtype)
+            grad_logits = _chunk_grad_logits(probs, total, g.to(acc), idx, temperature).to(weight.dtype)
             if grad_h is not None:
                 grad_h[sl] = grad_logits @ weight
             if grad_w is not None:
-                grad_w += (grad_logits.t() @ h).to(acc)
+                if grad_w.dtype == grad_logits.dtype:
+                    grad_w.addmm_(grad_logits.t(), h)            # accumulate without a vocab x H temporary
+                else:   # bf16/fp16: the chunk's product in their dtype, summed in float32
+                    grad_w += (grad_logits.t() @ h).to(acc)
             if grad_b is not None:
                 grad_b += grad_logits.sum(dim=0, dtype=acc)
 
@@ -254,11 +264,13 @@ class _FusedLinearLoss(torch.autograd.Function):
         grad_h, grad_w, grad_b = ctx.saved_tensors
         shape, h_dtype, w_dtype = ctx.shapes
         out_h = out_w = out_b = None
+        # In place: no second copy of the weight's gradient. A second backward through the same graph
+        # (retain_graph=True) then fails autograd's saved-tensor version check instead of using scaled grads.
         if grad_loss is not None:
             if grad_h is not None:
-                out_h = (grad_h * grad_loss.to(grad_h.dtype)).reshape(shape)
+                out_h = grad_h.mul_(grad_loss.to(grad_h.dtype)).reshape(shape)
             if grad_w is not None:
-                out_w = (grad_w * grad_loss.to(grad_w.dtype)).to(w_dtype)
+                out_w = grad_w.mul_(grad_loss.to(grad_w.dtype)).to(w_dtype)
             if grad_b is not None:
-                out_b = (grad_b * grad_loss.to(grad_b.dtype)).to(w_dtype)
+                out_b = grad_b.mul_(grad_loss.to(grad_b.dtype)).to(w_dtype)
         return (out_h, out_w, out_b) + (None,) * 8
