@@ -15,6 +15,10 @@ From the repository root it
   5. prints a timing table against a device-to-device copy and torch.clamp, with pass/fail thresholds
      (clip, kl, scalar delta >= 60% of copy bandwidth at N = 2^26 on a datacenter GPU; the fused loss no
      slower than the eager PPO loss),
+  6. checks bandpo_lut.fused_linear_policy_loss on CUDA (tools/gpu_check_fused_linear.py: against the unfused
+     path, no host synchronisation, torch.compile) and prints its memory/time table against the unfused path
+     and, where liger-kernel is installed, Liger's fused-linear GRPO loss (fails above 1/8 of the unfused
+     path's extra memory at V = 131072),
 and exits non-zero if anything failed. The random seed is printed (default fixed; --seed to change it).
 Budget: under eight minutes on an H100/H200 node (the build is most of it).
 """
@@ -630,7 +634,17 @@ def checks(seed: int, quick: bool) -> int:
             traceback.print_exc()
             report(f"{step.__name__} raised {type(err).__name__}", False)
         print(f"  ({time.time() - t0:.0f} s)", flush=True)
+    import gpu_check_fused_linear  # tools/: the fused-linear loss's checks and its timing/memory table
+
+    try:
+        gpu_check_fused_linear.check(report, g)
+    except Exception as err:
+        import traceback
+
+        traceback.print_exc()
+        report(f"fused-linear checks raised {type(err).__name__}", False)
     timing(g)
+    gpu_check_fused_linear.timing(report)
     return finish()
 
 
