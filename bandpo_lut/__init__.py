@@ -34,13 +34,17 @@ def build_info() -> dict:
     return info
 
 
-__all__ = ["bounds", "clip", "policy_loss", "BandPolicyLoss", "metrics_from_counts", "COUNTS", "FRACTIONS",
-           "build_info", "divergence_names", "__version__"]
+__all__ = ["bounds", "clip", "policy_loss", "fused_linear_policy_loss", "BandPolicyLoss", "metrics_from_counts",
+           "COUNTS", "FRACTIONS", "build_info", "divergence_names", "__version__"]
 
 
 def __getattr__(name: str):
     # `bandpo_lut.reference.bounds(...)` (the float64 table reader) works after `import bandpo_lut` alone,
     # without importing the references with the package.
+    if name == "fused_linear_policy_loss":   # its module is small, but keep `import bandpo_lut` minimal
+        from .fused_linear import fused_linear_policy_loss
+
+        return fused_linear_policy_loss
     if name == "reference":
         import importlib
 

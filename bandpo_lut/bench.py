@@ -7,6 +7,7 @@ Rows (float32, N = 2**22 elements by default, p_old drawn like LM token probabil
                                             (without the published code's per-step host syncs)
   bandpo_lut.clip, scalar δ / per-token δ   this package (kl, and tv/chi2 closed forms)
   fused loss vs canonical eager PPO loss    (batch, T) = (64, 8192), forward + backward, with metrics
+With --fused-linear, only the section of `bandpo_lut.bench_fused_linear` (unfused vs fused_linear_policy_loss).
 Then the accuracy of `clip`'s bounds against mpmath at random points, and (CPU) the peak extra memory of
 the fused and the eager loss, measured in fresh subprocesses from the resident-set high-water mark.
 
@@ -49,6 +50,9 @@ def add_arguments(parser):
     parser.add_argument("--skip-memory", action="store_true",
                         help="skip the peak-memory rows (CPU; two fresh processes)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    from . import bench_fused_linear
+
+    bench_fused_linear.add_arguments(parser)
 
 
 def _check_args(args):
@@ -211,6 +215,10 @@ def run(args) -> int:
     from bandpo_lut import accuracy
 
     device = _check_args(args)
+    if getattr(args, "fused_linear", False):   # its own section: fresh processes, see bench_fused_linear
+        from . import bench_fused_linear
+
+        return bench_fused_linear.run(args, device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     n, reps = args.n, args.repeats

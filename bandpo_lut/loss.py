@@ -54,6 +54,19 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
     One compiled op computes the loss (aggregated), every count and every fraction (a constant number of
     kernel launches, in a fixed-order reduction: bit-identical run to run); the backward is one op too.
     """
+    lp, olp, adv, mask, delta_t, settings = op_inputs(log_prob, old_log_prob, advantages, mask, delta, divergence,
+                                                      max_ratio, dual_clip, agg, clip, mode, eps_low, eps_high)
+    loss, metrics, _ = _cache.compiled_ops().policy_loss_fwd(lp, olp, adv, mask, delta_t, *settings,
+                                                             _spec.AGG_ID[agg])
+    return loss, dict(zip(_spec.METRICS, metrics.unbind()))
+
+
+def op_inputs(log_prob, old_log_prob, advantages, mask, delta, divergence, max_ratio, dual_clip, agg, clip, mode,
+              eps_low, eps_high):
+    """Validate policy_loss's arguments and put them in the form the compiled ops take: (lp, olp, adv, mask,
+    delta_t, settings), where `policy_loss_fwd(lp, olp, adv, mask, delta_t, *settings, agg_id)` is the loss and
+    `policy_loss_bwd(grad, row_scale, lp, olp, adv, mask, delta_t, *settings)` its gradient (also used by
+    `bandpo_lut.fused_linear`, so that both share one reading of the options)."""
     eps_low, eps_high = _spec.check_args(log_prob, old_log_prob, advantages, mask, delta, divergence, max_ratio,
                                          dual_clip, agg, clip, mode, eps_low, eps_high)
     dtype = _spec.compute_dtype(log_prob, old_log_prob, advantages)
@@ -70,11 +83,10 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
             delta_t = delta.to(dtype)    # broadcast to (batch, T) inside the op
         else:
             delta_t, delta_s = _cache.scalar_delta(delta, meta)
-    loss, metrics, _ = _cache.compiled_ops().policy_loss_fwd(
-        lp, olp, adv, mask, delta_t, delta_s, coefficients, list(meta.grid), div.compiled_id, _spec.CLIP_ID[clip],
-        float(eps_low or 0.0), float(eps_high or 0.0), math.inf if max_ratio is None else float(max_ratio),
-        0.0 if dual_clip is None else float(dual_clip), _spec.MODE_ID[mode], _spec.AGG_ID[agg])
-    return loss, dict(zip(_spec.METRICS, metrics.unbind()))
+    settings = (delta_s, coefficients, list(meta.grid), div.compiled_id, _spec.CLIP_ID[clip], float(eps_low or 0.0),
+                float(eps_high or 0.0), math.inf if max_ratio is None else float(max_ratio),
+                0.0 if dual_clip is None else float(dual_clip), _spec.MODE_ID[mode])
+    return lp, olp, adv, mask, delta_t, settings
 
 
 def ratio_bounds(p_old: torch.Tensor, *, clip="band", delta=0.05, divergence="kl", max_ratio=None, eps_low=None,

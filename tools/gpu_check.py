@@ -16,6 +16,10 @@ From the repository root it does what only a GPU machine can, and runs the test 
   5. prints a timing table against a device-to-device copy and torch.clamp, with pass/fail thresholds
      (clip, kl, scalar delta >= 60% of copy bandwidth at N = 2^26 on a datacenter GPU; the fused loss no
      slower than the eager PPO loss),
+  6. checks bandpo_lut.fused_linear_policy_loss on CUDA (tools/gpu_check_fused_linear.py: against the unfused
+     path, no host synchronisation, torch.compile) and prints its memory/time table against the unfused path
+     and, where liger-kernel is installed, Liger's fused-linear GRPO loss (fails above 1/8 of the unfused
+     path's extra memory at V = 131072),
 and exits non-zero if anything failed. The random seed (sanitizer workload and timing inputs) is printed.
 Budget: under eight minutes on an H100/H200 node (the build is most of it).
 """
@@ -255,6 +259,22 @@ def timing(g) -> None:
            f"{loss_rows[1][1] / loss_rows[0][1]:.2f}x")
 
 
+def fused_linear(seed: int) -> None:
+    """Step 6: tools/gpu_check_fused_linear.py's checks and table; a crash is a failure, the summary still prints."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    try:
+        import gpu_check_fused_linear
+
+        gpu_check_fused_linear.check(report, torch.Generator().manual_seed(seed))
+    except Exception as err:
+        import traceback
+
+        traceback.print_exc()
+        report(f"fused-linear checks raised {type(err).__name__}", False)
+
+
 def finish() -> int:
     if FAILURES:
         print(f"\nSOME CHECKS FAILED ({len(FAILURES)}): " + "; ".join(FAILURES))
@@ -290,6 +310,7 @@ def main() -> int:
     if not args.no_sanitizer:
         run_sanitizers(args.seed)
     timing(None)
+    fused_linear(args.seed)
     print(f"\ngpu_check: {time.time() - t0:.0f} s in all, seed {args.seed}")
     return finish()
 

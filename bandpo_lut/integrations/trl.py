@@ -187,6 +187,10 @@ class BandGRPOConfig(GRPOConfig):
                 "PPO's cap (paper: 10). Must be > 1; None turns the dual clip off. BandPO's "
                 "trust-region radius is band_delta."})
 
+    band_fused_linear: bool = field(default=False, metadata={
+        "help": "Compute the loss with bandpo_lut.fused_linear_policy_loss from the last hidden states and the "
+                "LM head, chunk by chunk, without the logits (bandpo_lut/integrations/trl_fused_linear.py)."})
+
     def __post_init__(self):
         _refuse_liger(self)
         super().__post_init__()
@@ -238,6 +242,9 @@ def _validate(a) -> None:
                          f"caps the ratio (here: dual-clip PPO's cap for A < 0), a number > 1 "
                          f"(paper: {PAPER['dual_clip']:g}), or None for no dual clip.{hint}")
     _refuse_unclipped_loss(a)
+    from .trl_fused_linear import validate as validate_fused_linear
+
+    validate_fused_linear(a, _ratio_clip_is_inert)
     if a.band_clip != "band":
         return
     if a.epsilon != 0.2 or a.epsilon_high is not None:
@@ -371,6 +378,10 @@ class BandGRPOTrainer(GRPOTrainer):
                     eps_high=float(self.epsilon_high), dual_clip=a.delta)
 
     def _compute_loss(self, model, inputs):
+        if self.args.band_fused_linear:
+            from .trl_fused_linear import fused_linear_loss
+
+            return fused_linear_loss(self, model, inputs)
         captured = []
         policy_forward = self._get_per_token_logps_and_entropies
 
