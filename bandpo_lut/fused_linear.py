@@ -36,9 +36,9 @@ import math
 import torch
 
 from . import checks as _checks
-from . import table_cache as _cache
 from . import loss as _loss
 from . import loss_spec as _spec
+from . import table_cache as _cache
 
 # Default chunk: about 2**25 logits (128 MB in float32) per chunk, at least 1 and at most all tokens.
 CHUNK_ELEMENTS = 2 ** 25
@@ -166,7 +166,7 @@ class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, token_ids, olp, adv, mask, delta_t, ref, settings, options):
         temperature, chunk, beta, agg_id, needs, want_entropy = options
-        ops = _cache.compiled_ops()
+        ops = _cache.compiled_ops().ops   # the raw torch.ops.bandpo_lut: this Function is its own autograd
         batch, steps, width = hidden.shape
         n_tokens, vocab = batch * steps, weight.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)   # softmax arithmetic
