@@ -229,6 +229,8 @@ def test_memory_bounded_by_the_chunk():
         assert _largest(unfused, hidden, weight, ids, old, adv, None) >= 2 * steps * vocab
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_compiles_fullgraph_in_a_fresh_process(tmp_path):
     code = """
 import torch, bandpo_lut

@@ -14,6 +14,8 @@ from test_integration_trl import loss_and_grads, make_inputs, make_model, make_t
 from bandpo_lut import COUNTS  # noqa: E402
 from bandpo_lut.integrations.trl import BandGRPOConfig, BandGRPOTrainer  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 SETTINGS = [
     dict(loss_type="grpo"),
     dict(loss_type="bnpo", beta=0.04, use_bias_correction_kl=False),
