@@ -10,35 +10,19 @@ import warnings
 from importlib import metadata
 from pathlib import Path
 
+import plugin_checks  # tests/, the script's folder
 import torch
+from plugin_checks import RESULTS, check, close, independent_per_token
 
 import bandpo_lut
 import bandpo_lut.integrations.openrlhf as borl
-from bandpo_lut.reference.bounds import bounds as reference_bounds
 
 orl_loss = sys.modules["openrlhf.models.loss"]
 STOCK = orl_loss.PolicyLoss  # OpenRLHF's own class (before any `activate` below)
-RESULTS: dict = {}
 
 
-def check(name):
-    def run(fn):
-        try:
-            RESULTS[name] = [True, fn()]
-        except Exception as exc:  # reported to the pytest side, which fails the named test
-            RESULTS[name] = [False, f"{type(exc).__name__}: {exc}"]
-        return fn
-    return run
-
-
-def batch(seed, *, b=5, t=9, spread=0.7):
-    g = torch.Generator().manual_seed(seed)
-    old = torch.log(torch.rand(b, t, generator=g, dtype=torch.float64).clamp_min(1e-5)).float()
-    new = (old + spread * torch.randn(b, t, generator=g)).clamp_max(0.0)
-    adv = torch.randn(b, t, generator=g)
-    mask = (torch.rand(b, t, generator=g) > 0.2).float()
-    mask[0] = 0.0  # an empty sequence
-    return new, old, adv, mask
+def batch(seed, **sizes):
+    return plugin_checks.batch(seed, **sizes)[:4]
 
 
 def run(loss_fn, new, *args, **kwargs):
@@ -46,10 +30,6 @@ def run(loss_fn, new, *args, **kwargs):
     out = loss_fn(lp, *args, **kwargs)
     (grad,) = torch.autograd.grad(out[0], lp)
     return out, grad
-
-
-def close(a, b, rtol=1e-5, atol=1e-7):
-    torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
 
 
 def expect_error(fn, *needles):
@@ -84,17 +64,6 @@ def _():
     assert torch.equal(out[0], ref.detach()) and torch.equal(grad, ref_grad)
     assert torch.equal(out[1], metrics["clip_frac"]) and out[3] is None and out[4] is None
     return f"loss {out[0].item():.6f}, clip_ratio {out[1].item():.3f}"
-
-
-def independent_per_token(new, old, adv, *, delta=0.05, max_ratio=10.0, dual_clip=10.0):
-    """BandPO's per-token loss from its definition, on the pure-PyTorch reference bounds."""
-    lp = new.clone().requires_grad_(True)
-    ratio = torch.exp(torch.clamp(lp - old, -20, 20))
-    lo, up = reference_bounds(log_p_old=old, delta=delta, divergence="kl")
-    up = up.clamp(max=max_ratio)
-    loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, lo, up))
-    loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
-    return lp, loss
 
 
 @check("aggregations_equal_openrlhfs_aggregate_loss")

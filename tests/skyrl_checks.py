@@ -11,26 +11,14 @@ import sys
 import warnings
 from importlib import metadata
 
+import plugin_checks  # tests/, the script's folder
 import torch
 from omegaconf import OmegaConf
+from plugin_checks import RESULTS, check, close, independent_per_token
 from skyrl_train.utils import ppo_utils
 
 import bandpo_lut
 import bandpo_lut.integrations.skyrl as bsky
-from bandpo_lut.reference.bounds import bounds as reference_bounds
-
-RESULTS: dict = {}
-
-
-def check(name):
-    def run(fn):
-        try:
-            detail = fn()
-            RESULTS[name] = [True, detail]
-        except Exception as exc:  # reported to the pytest side, which fails the named test
-            RESULTS[name] = [False, f"{type(exc).__name__}: {exc}"]
-        return fn
-    return run
 
 
 def algorithm_config(**overrides):
@@ -44,15 +32,11 @@ def algorithm_config(**overrides):
     return algo
 
 
-def batch(seed, *, b=5, t=9, spread=0.7):
-    g = torch.Generator().manual_seed(seed)
-    old = torch.log(torch.rand(b, t, generator=g, dtype=torch.float64).clamp_min(1e-5)).float()
-    new = (old + spread * torch.randn(b, t, generator=g)).clamp_max(0.0)
-    adv = torch.randn(b, t, generator=g)
+def batch(seed, **sizes):
+    """plugin_checks.batch, with two sequences of constant advantage (GRPO's) and rollout log-probs (for TIS)."""
+    new, old, adv, mask, g = plugin_checks.batch(seed, **sizes)
     adv[1:3] = adv[1:3, :1]
-    mask = (torch.rand(b, t, generator=g) > 0.2).float()
-    mask[0] = 0.0  # an empty sequence
-    rollout = old + 0.05 * torch.randn(b, t, generator=g)
+    rollout = old + 0.05 * torch.randn(old.shape, generator=g)
     return new, old, adv, mask, rollout
 
 
@@ -61,21 +45,6 @@ def loss_and_grad(fn, new, *args, **kwargs):
     loss, clip_ratio = fn(lp, *args, **kwargs)
     (grad,) = torch.autograd.grad(loss, lp)
     return loss.detach(), grad, clip_ratio
-
-
-def independent_per_token(new, old, adv, *, delta=0.05, max_ratio=10.0, dual_clip=10.0, weight=None):
-    """BandPO's per-token loss from its definition, on the pure-PyTorch reference bounds."""
-    lp = new.clone().requires_grad_(True)
-    ratio = torch.exp(torch.clamp(lp - old, -20, 20))
-    lo, up = reference_bounds(log_p_old=old, delta=delta, divergence="kl")
-    up = up.clamp(max=max_ratio)
-    loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, lo, up))
-    loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
-    return lp, loss if weight is None else loss * weight
-
-
-def close(a, b, rtol=1e-5, atol=1e-7):
-    torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
 
 
 @check("registered")

@@ -1,0 +1,48 @@
+"""What the trainer plug-ins' check scripts share (tests/skyrl_checks.py, tests/openrlhf_checks.py). Each script
+runs in a fresh interpreter with its trainer's folder on PYTHONPATH (this folder is the script's, so it is
+importable), registers named checks with `check`, and prints `RESULTS` as one JSON object: name -> [ok, detail]."""
+from __future__ import annotations
+
+import torch
+
+from bandpo_lut.reference.bounds import bounds as reference_bounds
+
+RESULTS: dict = {}
+
+
+def check(name):
+    """Run the decorated function now; record [True, its return value] or [False, the error] under `name`."""
+    def run(fn):
+        try:
+            RESULTS[name] = [True, fn()]
+        except Exception as exc:  # reported to the pytest side, which fails the named test
+            RESULTS[name] = [False, f"{type(exc).__name__}: {exc}"]
+        return fn
+    return run
+
+
+def batch(seed, *, b=5, t=9, spread=0.7):
+    """(new, old, adv, mask) log-probs, advantages and a float mask whose first sequence is empty; one generator,
+    so that `g` can go on to draw what a trainer needs besides (returned last)."""
+    g = torch.Generator().manual_seed(seed)
+    old = torch.log(torch.rand(b, t, generator=g, dtype=torch.float64).clamp_min(1e-5)).float()
+    new = (old + spread * torch.randn(b, t, generator=g)).clamp_max(0.0)
+    adv = torch.randn(b, t, generator=g)
+    mask = (torch.rand(b, t, generator=g) > 0.2).float()
+    mask[0] = 0.0  # an empty sequence
+    return new, old, adv, mask, g
+
+
+def independent_per_token(new, old, adv, *, delta=0.05, max_ratio=10.0, dual_clip=10.0, weight=None):
+    """BandPO's per-token loss from its definition, on the pure-PyTorch reference bounds: (the leaf, the loss)."""
+    lp = new.clone().requires_grad_(True)
+    ratio = torch.exp(torch.clamp(lp - old, -20, 20))
+    lo, up = reference_bounds(log_p_old=old, delta=delta, divergence="kl")
+    up = up.clamp(max=max_ratio)
+    loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, lo, up))
+    loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
+    return lp, loss if weight is None else loss * weight
+
+
+def close(a, b, rtol=1e-5, atol=1e-7):
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
