@@ -35,14 +35,13 @@ import argparse
 import math
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .cli import int_at_least, max_ratio_arg, number_in
 from .demo_tasks import METHODS as TASK_METHODS
-from .demo_tasks import TASKS
+from .demo_tasks import TASKS, Config
 from .loss import policy_loss, ratio_bounds
 
 # name -> policy_loss keyword arguments; max_ratio is added from --max-ratio for dcpo and band.
@@ -67,21 +66,6 @@ LABELS = {
     "lowprob_clip_high": "clip-high rate, p_old < 0.2, A > 0",
 }
 
-
-@dataclass
-class Config:
-    steps: int
-    contexts: int
-    vocab: int
-    good: int
-    good_ranks: tuple[int, int]
-    tokens: int
-    group: int
-    epochs: int
-    minibatches: int
-    lr: float
-    init_scale: float
-    max_ratio: float | None
 
 
 # The figure's default name: in the current directory, and not the repository's tracked

@@ -59,8 +59,8 @@ FROM_LOSS = ("n_tokens", "n_clipped_upper", "n_clipped_lower", "n_dual_clipped")
 
 
 @dataclass
-class TaskConfig:
-    task: str
+class Config:
+    """The sizes and optimiser of a demo run, every task's (`bandpo-lut demo --help` says what each is)."""
     steps: int
     contexts: int
     vocab: int
@@ -73,6 +73,12 @@ class TaskConfig:
     lr: float
     init_scale: float
     max_ratio: float | None
+
+
+@dataclass
+class TaskConfig(Config):
+    """A run of --task random-reward or rare-correct: the common sizes, the task and its optimiser."""
+    task: str
     optimizer: str = "adam"
 
 
