@@ -66,8 +66,6 @@ LABELS = {
     "lowprob_clip_high": "clip-high rate, p_old < 0.2, A > 0",
 }
 
-
-
 # The figure's default name: in the current directory, and not the repository's tracked
 # docs/demo.png (regenerate that one with `--out docs/demo.png`).
 DEFAULT_OUT = "bandpo-demo.png"
