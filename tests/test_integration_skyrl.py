@@ -37,8 +37,10 @@ def results(tmp_path_factory):
         pytest.fail(f"skyrl-train is not installed in {SITE}: run `{INSTALL}` at the repository root "
                     f"(or set BANDPO_SKYRL_SITE; BANDPO_SKIP_INTEGRATIONS=1 skips this module)")
     env = fresh_env()
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"].split(os.pathsep)[0], str(SITE)] +
-                                        env["PYTHONPATH"].split(os.pathsep)[1:])
+    # The folder goes FIRST: its ray 2.51 must shadow the venv's ray 2.60 (PYTHONPATH precedes site-packages, but
+    # with a non-editable install fresh_env's first entry IS the venv's site-packages). It holds no bandpo_lut, so
+    # the tested package is still the one the test process imported.
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE), env["PYTHONPATH"]])
     proc = run_fresh([REPO / "tests" / "skyrl_checks.py"], cwd=tmp_path_factory.mktemp("skyrl"),
                      env=env, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
