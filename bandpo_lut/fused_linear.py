@@ -191,7 +191,7 @@ class _FusedLinearLoss(torch.autograd.Function):
             token_scale = ops.per_token(row_scale.unsqueeze(1), batch, steps)
             one = torch.ones((), dtype=dtype, device=hidden.device)
         if ref is not None:
-            ref_t = ref.reshape(n_tokens)
+            ref_t = _per_token(ops, ref, batch, steps).reshape(n_tokens)   # dense: a broadcast ref, see _per_token
             w_tok = (torch.ones(n_tokens, dtype=dtype, device=hidden.device) if mask_t is None
                      else mask_t.reshape(n_tokens).to(dtype))
             # beta * w * d loss / d S_b per token: the k3 term's weight in the loss
