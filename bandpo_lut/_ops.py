@@ -282,3 +282,25 @@ def clip(*args):
 
 def policy_loss_fwd(*args):
     return ops.policy_loss_fwd(*args) if _registered_op_suffices() else _PolicyLoss.apply(*_wrap(args))
+
+
+# ---- per-token copies for the chunked loss (bandpo_lut.fused_linear) ------------------------------------
+# Why an opaque op: Inductor's CPU code generator (torch 2.13 and earlier, codegen/cpp.py `loop_split`)
+# splits a pointwise loop x over range N at a floor division x // c (c > 8) into N // c blocks of c and
+# drops the remainder when c does not divide N. A per-row value repeated per token (row_scale, a per-sequence
+# delta or advantage) is read at token // T, and a chunk of tokens is such a loop, so e.g. the first 48 tokens
+# of T = 40 got rows 40..47 never written (uninitialised memory: NaN or wrong gradients, no error). Inductor
+# cannot look inside a custom op: the copy below is a whole (batch * T,) buffer with no floor division in any
+# generated loop, and the chunks are plain slices (views) of it.
+@torch.library.custom_op("bandpo_lut::per_token", mutates_args=())
+def per_token(x: torch.Tensor, batch: int, steps: int) -> torch.Tensor:
+    """x, broadcastable to (batch, steps), as a new dense (batch * steps,) tensor: token t is
+    x[t // steps, t % steps]."""
+    out = x.new_empty((batch, steps))
+    out.copy_(x.expand(batch, steps))
+    return out.reshape(batch * steps)
+
+
+@per_token.register_fake
+def _per_token_fake(x, batch, steps):
+    return x.new_empty((batch * steps,))

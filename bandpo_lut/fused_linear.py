@@ -145,12 +145,16 @@ def _check_inputs(hidden, weight, bias, token_ids, temperature, chunk_size, ref_
     return hidden.shape[0], hidden.shape[1]
 
 
-def _per_token(x, batch, steps):
-    """A (batch, T)-broadcastable tensor as (tokens, 1), each token a row of its own; 0-dim stays 0-dim (a
-    scalar delta under torch.compile is a 0-dim CPU tensor the kernels read on the host)."""
+def _per_token(ops, x, batch, steps):
+    """A (batch, T)-broadcastable tensor as a dense (tokens, 1), each token a row of its own; 0-dim stays 0-dim
+    (a scalar delta under torch.compile is a 0-dim CPU tensor the kernels read on the host). Anything but an
+    already dense (batch, T) tensor goes through the opaque `per_token` copy: a chunk of a broadcast
+    (batch, 1) tensor computed by Inductor on CPU loses tokens (see bandpo_lut/_ops.py, per_token)."""
     if x is None or x.dim() == 0:
         return x
-    return x.expand(batch, steps).reshape(batch * steps, 1)
+    if x.shape == (batch, steps) and x.is_contiguous():
+        return x.reshape(batch * steps, 1)
+    return ops.per_token(x, batch, steps).unsqueeze(1)
 
 
 def _chunk_grad_logits(exps, total, g, idx, temperature):
@@ -173,8 +177,8 @@ class _FusedLinearLoss(torch.autograd.Function):
         dtype = olp.dtype                                         # the loss's compute dtype
         h2 = hidden.reshape(n_tokens, width)
         ids = token_ids.reshape(n_tokens)
-        olp_t, adv_t = olp.reshape(n_tokens, 1), adv.reshape(n_tokens, 1)
-        mask_t, delta_tok = _per_token(mask, batch, steps), _per_token(delta_t, batch, steps)
+        olp_t, adv_t = _per_token(ops, olp, batch, steps), _per_token(ops, adv, batch, steps)
+        mask_t, delta_tok = _per_token(ops, mask, batch, steps), _per_token(ops, delta_t, batch, steps)
 
         any_grad = any(needs)
         if any_grad or ref is not None:
@@ -182,10 +186,12 @@ class _FusedLinearLoss(torch.autograd.Function):
             # (row_scale reads only the mask and agg), repeated per token.
             zeros = torch.zeros((batch, steps), dtype=dtype, device=hidden.device)
             row_scale = ops.policy_loss_fwd(zeros, zeros, zeros, mask, delta_t, *settings, agg_id)[2]
-            token_scale = row_scale.repeat_interleave(steps)                    # (tokens,) float64
+            # (tokens,) float64. Not row_scale.repeat_interleave(steps): Inductor on CPU computes a chunk of that
+            # wrongly when T does not divide the chunk (see bandpo_lut/_ops.py, per_token).
+            token_scale = ops.per_token(row_scale.unsqueeze(1), batch, steps)
             one = torch.ones((), dtype=dtype, device=hidden.device)
         if ref is not None:
-            ref_t = ref.reshape(n_tokens)
+            ref_t = _per_token(ops, ref, batch, steps).reshape(n_tokens)   # dense: a broadcast ref, see _per_token
             w_tok = (torch.ones(n_tokens, dtype=dtype, device=hidden.device) if mask_t is None
                      else mask_t.reshape(n_tokens).to(dtype))
             # beta * w * d loss / d S_b per token: the k3 term's weight in the loss

@@ -252,3 +252,40 @@ print("OK")
 """
     out = run_fresh(["-c", code], cwd=tmp_path, check=True)
     assert "OK" in out.stdout
+
+
+def test_inductor_cpu_unequal_chunks_match_unfused_eager(tmp_path):
+    """Inductor on CPU, 80 tokens in chunks of 48 + 32 (T = 40 does not divide 48). The per-token copy of
+    row_scale (and of any per-row value: a per-sequence delta, advantages expanded from (batch, 1)) was a
+    generated loop reading row token // T, which Inductor's floor-division loop split cut to 40 iterations:
+    tokens 40..47 of the first chunk got uninitialised scales, hence NaN or wrong gradients (the first case
+    below failed so before the fix; the second covers the broadcast inputs). Reference: the unfused eager loss
+    (log_softmax + policy_loss, autograd)."""
+    code = """
+import torch, bandpo_lut
+g = torch.Generator().manual_seed(0)
+B, T, H, V = 2, 40, 32, 500
+h = torch.randn(B, T, H, generator=g, requires_grad=True)
+W = (torch.randn(V, H, generator=g) / 10).requires_grad_()
+ids = torch.randint(0, V, (B, T), generator=g)
+old = -torch.rand(B, T, generator=g) * 3 - 1
+adv_row = torch.randn(B, 1, generator=g)
+mask = torch.rand(B, T, generator=g) > 0.2
+cases = {"dense": (adv_row.expand(B, T).clone(), 0.05),
+         "per-sequence adv and delta": (adv_row.expand(B, T), torch.tensor([[0.05], [0.1]]))}
+for name, (adv, delta) in cases.items():
+    def fused(h, W):
+        return bandpo_lut.fused_linear_policy_loss(h, W, ids, old, adv, mask, delta=delta, chunk_size=48)[0]
+    def unfused(h, W):
+        lp = torch.log_softmax(h @ W.t(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        return bandpo_lut.policy_loss(lp, old, adv, mask, delta=delta)[0]
+    l1 = torch.compile(fused, fullgraph=True, backend="inductor")(h, W); g1 = torch.autograd.grad(l1, (h, W))
+    l0 = unfused(h, W); g0 = torch.autograd.grad(l0, (h, W))
+    assert torch.allclose(l1, l0, rtol=1e-5), (name, l1, l0)
+    for what, a, b in zip(("hidden", "weight"), g1, g0):
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err < 1e-5, (name, what, err)
+print("OK")
+"""
+    out = run_fresh(["-c", code], cwd=tmp_path, check=True)
+    assert "OK" in out.stdout
