@@ -18,6 +18,7 @@ ops = torch.ops.bandpo_lut
 DTYPES = {"float32": (torch.float32, 1e-5), "float64": (torch.float64, 1e-10)}
 BAND_OPS = ("bounds", "clip", "clip_backward")
 LOSS_OPS = ("policy_loss_fwd", "policy_loss_bwd")
+PY_OPS = ("per_token",)   # declared in Python (bandpo_lut/_ops.py), for the fused-linear loss's chunks
 
 
 def _band(device, dtype_name):
@@ -115,10 +116,28 @@ def test_opcheck_loss_ops(device, dtype_name, op_name):
         _opcheck(op_name, *sample.calls[op_name])
 
 
+def per_token_samples(device):
+    """(x, batch, steps): a per-row column (GRPO's advantages), a full strided (batch, T) tensor and a scalar row."""
+    g = torch.Generator().manual_seed(3)
+    column = torch.randn(3, 1, generator=g).to(device)
+    full = torch.randn(7, 3, generator=g).to(device).t()            # (3, 7), transposed: not contiguous
+    row = torch.randn(7, generator=g).to(device)
+    return [(column, 3, 7), (full, 3, 7), (row, 3, 7)]
+
+
+def test_per_token_matches_the_reference_and_opcheck(device):
+    for x, batch, steps in per_token_samples(device):
+        # the reference: token t is x[t // steps, t % steps], by explicit indexing
+        t = torch.arange(batch * steps, device=device)
+        want = x.expand(batch, steps)[t // steps, t % steps]
+        assert torch.equal(ops.per_token(x, batch, steps), want)
+        torch.library.opcheck(ops.per_token.default, (x, batch, steps))
+
+
 def test_samples_cover_every_op_and_setting():
     """Every op of the library has samples, and the samples cover what the docstrings promise."""
     declared = {name for name in dir(ops) if isinstance(getattr(ops, name), torch._ops.OpOverloadPacket)}
-    covered = set(BAND_OPS) | set(LOSS_OPS)
+    covered = set(BAND_OPS) | set(LOSS_OPS) | set(PY_OPS)
     assert declared == covered, declared ^ covered
     band = band_samples("cpu", torch.float32)
     assert all(set(s.calls) == set(BAND_OPS) for s in band)
