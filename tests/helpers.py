@@ -18,6 +18,14 @@ ALL_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.
     not torch.cuda.is_available(), reason="no CUDA device")])]
 
 
+def clamp_ties_included(x: torch.Tensor, lo, up) -> torch.Tensor:
+    """torch.clamp(x, lo, up) whose derivative is 1 on [lo, up], ends included, and 0 outside and where x or a
+    bound is NaN: the rule of a scalar-bound clamp, which PPO trainers use and bandpo_lut.clip follows on every
+    torch version. (torch.clamp with TENSOR bounds gives 0 at an exact tie from torch 2.14 on.)"""
+    inside = (x >= lo) & (x <= up)
+    return torch.where(inside, x, torch.clamp(x, lo, up).detach())
+
+
 def rel_error_upper(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """|r - r*| / r*, with inf == inf counting as exact; NaN counts as infinitely wrong."""
     ours, ref = ours.double().cpu(), ref.double().cpu()

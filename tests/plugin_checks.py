@@ -4,6 +4,7 @@ importable), registers named checks with `check`, and prints `RESULTS` as one JS
 from __future__ import annotations
 
 import torch
+from helpers import clamp_ties_included
 
 from bandpo_lut.reference.bounds import bounds as reference_bounds
 
@@ -39,7 +40,7 @@ def independent_per_token(new, old, adv, *, delta=0.05, max_ratio=10.0, dual_cli
     ratio = torch.exp(torch.clamp(lp - old, -20, 20))
     lo, up = reference_bounds(log_p_old=old, delta=delta, divergence="kl")
     up = up.clamp(max=max_ratio)
-    loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, lo, up))
+    loss = torch.maximum(-adv * ratio, -adv * clamp_ties_included(ratio, lo, up))
     loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
     return lp, loss if weight is None else loss * weight
 
