@@ -85,3 +85,31 @@ def run_fresh(argv, *, cwd, timeout: float = 600, env: dict | None = None,
         pytest.fail(f"python {' '.join(map(str, argv))[:200]} exited {proc.returncode}\n"
                     f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}")
     return proc
+
+
+# ---- trainers installed apart (tools/install_test_needs.sh): SkyRL and OpenRLHF, each in a folder of its own ----
+REPO = Path(__file__).resolve().parent.parent
+
+
+def apart_env(env_var: str, default_folder: str, package: str, *, first: bool) -> dict:
+    """fresh_env with a trainer's folder on PYTHONPATH: `first` where its packages must shadow the venv's (SkyRL's
+    ray 2.51 over verl's 2.60; with a non-editable install the venv's site-packages is fresh_env's first entry),
+    last where they must not (OpenRLHF's deepspeed, which transformers would otherwise import). The folder holds no
+    bandpo_lut, so the child tests the package this process imported. $ENV_VAR overrides the folder; a folder
+    without `package` fails the test, naming the command that installs it."""
+    site = Path(os.environ.get(env_var, REPO / default_folder))
+    if not (site / package).is_dir():
+        pytest.fail(f"{package} is not installed in {site}: run `bash tools/install_test_needs.sh` at the "
+                    f"repository root (or set {env_var}; BANDPO_SKIP_INTEGRATIONS=1 skips this module)")
+    env = fresh_env(**{env_var: site})
+    paths = [p for p in env["PYTHONPATH"].split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *paths] if first else [*paths, str(site)])
+    return env
+
+
+def run_check_script(name: str, env: dict, cwd) -> dict:
+    """Run tests/NAME (a trainer plug-in's checks, tests/plugin_checks.py) in a fresh interpreter; its JSON results."""
+    import json
+
+    proc = run_fresh([REPO / "tests" / name], cwd=cwd, env=env, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])

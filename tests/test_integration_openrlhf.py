@@ -13,39 +13,25 @@ nothing). A missing folder is an error, not a skip; BANDPO_SKIP_INTEGRATIONS=1 s
 """
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import pytest
 
 if os.environ.get("BANDPO_SKIP_INTEGRATIONS") == "1":
     pytest.skip("BANDPO_SKIP_INTEGRATIONS=1", allow_module_level=True)
 
-from helpers import fresh_env, run_fresh  # noqa: E402
+from helpers import apart_env, run_check_script, run_fresh  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.subprocess, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[1]
-SITE = Path(os.environ.get("BANDPO_OPENRLHF_SITE", REPO / ".openrlhf-site"))
-INSTALL = "bash tools/install_test_needs.sh"   # the README's test set-up, which installs it there
-
 
 def site_env():
-    if not (SITE / "openrlhf").is_dir():
-        pytest.fail(f"openrlhf is not installed in {SITE}: run `{INSTALL}` at the repository root "
-                    f"(or set BANDPO_OPENRLHF_SITE; BANDPO_SKIP_INTEGRATIONS=1 skips this module)")
-    env = fresh_env(BANDPO_OPENRLHF_SITE=SITE)
-    env["PYTHONPATH"] = os.pathsep.join([p for p in env["PYTHONPATH"].split(os.pathsep) if p] + [str(SITE)])
-    return env
+    return apart_env("BANDPO_OPENRLHF_SITE", ".openrlhf-site", "openrlhf", first=False)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = site_env()
-    proc = run_fresh([REPO / "tests" / "openrlhf_checks.py"], cwd=tmp_path_factory.mktemp("openrlhf"),
-                     env=env, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_check_script("openrlhf_checks.py", site_env(), tmp_path_factory.mktemp("openrlhf"))
 
 
 CHECKS = {

@@ -13,37 +13,22 @@ PYTHONPATH. A missing folder is an error, not a skip; BANDPO_SKIP_INTEGRATIONS=1
 """
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import pytest
 
 if os.environ.get("BANDPO_SKIP_INTEGRATIONS") == "1":
     pytest.skip("BANDPO_SKIP_INTEGRATIONS=1", allow_module_level=True)
 
-from helpers import fresh_env, run_fresh  # noqa: E402
+from helpers import apart_env, run_check_script  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.subprocess, pytest.mark.slow]
-
-REPO = Path(__file__).resolve().parents[1]
-SITE = Path(os.environ.get("BANDPO_SKYRL_SITE", REPO / ".skyrl-site"))
-INSTALL = "bash tools/install_test_needs.sh"   # the README's test set-up, which installs it there
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    if not (SITE / "skyrl_train").is_dir():
-        pytest.fail(f"skyrl-train is not installed in {SITE}: run `{INSTALL}` at the repository root "
-                    f"(or set BANDPO_SKYRL_SITE; BANDPO_SKIP_INTEGRATIONS=1 skips this module)")
-    env = fresh_env()
-    # The folder goes FIRST: its ray 2.51 must shadow the venv's ray 2.60 (PYTHONPATH precedes site-packages, but
-    # with a non-editable install fresh_env's first entry IS the venv's site-packages). It holds no bandpo_lut, so
-    # the tested package is still the one the test process imported.
-    env["PYTHONPATH"] = os.pathsep.join([str(SITE), env["PYTHONPATH"]])
-    proc = run_fresh([REPO / "tests" / "skyrl_checks.py"], cwd=tmp_path_factory.mktemp("skyrl"),
-                     env=env, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    env = apart_env("BANDPO_SKYRL_SITE", ".skyrl-site", "skyrl_train", first=True)   # ray 2.51 over the venv's
+    return run_check_script("skyrl_checks.py", env, tmp_path_factory.mktemp("skyrl"))
 
 
 CHECKS = {
