@@ -215,27 +215,10 @@ def _():
 
 @check("version_policy")
 def _():
-    real = metadata.version
-    try:
-        metadata.version = lambda name: "9.9.9" if name == "openrlhf" else real(name)
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            borl._check_openrlhf()
-        assert any(str(w.message).startswith("bandpo_lut.integrations.openrlhf: openrlhf 9.9.9 is not one "
-                                              "of the tested") for w in record), record
-        forward = STOCK.forward
-        STOCK.forward = lambda self, log_probs, old_log_probs, advantages, action_mask=None: 0
-        try:
-            borl._check_openrlhf()
-        except ImportError as exc:
-            assert "PolicyLoss.forward takes" in str(exc) and "requirements-openrlhf.txt" in str(exc)
-        else:
-            raise AssertionError("a changed convention was accepted")
-        finally:
-            STOCK.forward = forward
-    finally:
-        metadata.version = real
-    return "ok"
+    return plugin_checks.version_policy(
+        "openrlhf", "openrlhf", borl._check_openrlhf, STOCK, "forward",
+        lambda self, log_probs, old_log_probs, advantages, action_mask=None: 0,
+        "PolicyLoss.forward takes", "requirements-openrlhf.txt")
 
 
 json.dump(RESULTS, sys.stdout)

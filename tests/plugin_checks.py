@@ -3,6 +3,9 @@ runs in a fresh interpreter with its trainer's folder on PYTHONPATH (this folder
 importable), registers named checks with `check`, and prints `RESULTS` as one JSON object: name -> [ok, detail]."""
 from __future__ import annotations
 
+import warnings
+from importlib import metadata
+
 import torch
 from helpers import clamp_ties_included
 
@@ -47,3 +50,28 @@ def independent_per_token(new, old, adv, *, delta=0.05, max_ratio=10.0, dual_cli
 
 def close(a, b, rtol=1e-5, atol=1e-7):
     torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+def version_policy(dist: str, plugin: str, check_version, owner, attr: str, changed, *needles) -> str:
+    """The plug-ins' version policy, checked the same way for each: an untested `dist` version of the same
+    structure imports with a warning naming it; one whose `owner.attr` (what the plug-in relies on) became
+    `changed` is refused by `check_version()` with an ImportError containing every needle."""
+    real, original = metadata.version, getattr(owner, attr)
+    try:
+        metadata.version = lambda name: "9.9.9" if name == dist else real(name)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            check_version()
+        prefix = f"bandpo_lut.integrations.{plugin}: {dist} 9.9.9 is not one of the tested"
+        assert any(str(w.message).startswith(prefix) for w in record), record
+        setattr(owner, attr, changed)
+        try:
+            check_version()
+        except ImportError as exc:
+            assert all(n in str(exc) for n in needles), str(exc)
+        else:
+            raise AssertionError("a changed convention was accepted")
+    finally:
+        setattr(owner, attr, original)
+        metadata.version = real
+    return "ok"

@@ -8,7 +8,6 @@ import inspect
 import json
 import os
 import sys
-import warnings
 from importlib import metadata
 
 import plugin_checks  # tests/, the script's folder
@@ -184,28 +183,11 @@ def _():
 
 @check("version_policy")
 def _():
-    real = metadata.version
-    assert real("skyrl-train") in bsky.TESTED_SKYRL
-    try:
-        metadata.version = lambda name: "9.9.9" if name == "skyrl-train" else real(name)
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            bsky._check_skyrl()
-        assert any(str(w.message).startswith("bandpo_lut.integrations.skyrl: skyrl-train 9.9.9 is not "
-                                             "one of the tested") for w in record), record
-        stock = ppo_utils.ppo_policy_loss
-        ppo_utils.ppo_policy_loss = lambda log_probs, old_log_probs, advantages, config, loss_mask: 0
-        try:
-            bsky._check_skyrl()
-        except ImportError as exc:
-            assert "take ('log_probs'" in str(exc) and "requirements-skyrl.txt" in str(exc), str(exc)
-        else:
-            raise AssertionError("a changed convention was accepted")
-        finally:
-            ppo_utils.ppo_policy_loss = stock
-    finally:
-        metadata.version = real
-    return "ok"
+    assert metadata.version("skyrl-train") in bsky.TESTED_SKYRL
+    return plugin_checks.version_policy(
+        "skyrl-train", "skyrl", bsky._check_skyrl, ppo_utils, "ppo_policy_loss",
+        lambda log_probs, old_log_probs, advantages, config, loss_mask: 0,
+        "take ('log_probs'", "requirements-skyrl.txt")
 
 
 json.dump(RESULTS, sys.stdout)
