@@ -20,6 +20,8 @@
 #include "band_element.h"
 #include "band_host.h"
 #include "cpu/band_cpu.h"
+#include "cpu/cpu_variant.h"
+#include "cpu/kl_avx512.h"
 #include "cpu/table_gather.h"
 
 namespace bandpo {
@@ -42,6 +44,8 @@ std::shared_ptr<const CellPolys> cell_polys(const BandParams& band) {
     collapse_cell(band.table, k, band.delta_js, band.delta_ws, &polys->d[8 * static_cast<size_t>(k)]);
   }
   for (size_t i = 0; i < polys->d.size(); ++i) polys->f[i] = static_cast<float>(polys->d[i]);
+  auto wide = std::make_unique<WideCells>();
+  if (fit_wide_cells(band.table, polys->d.data(), *wide)) polys->wide = std::move(wide);
   if (cache.size() >= 256) cache.clear();  // tables are few and δ rarely changes; bound the memory anyway
   cache.emplace(key, polys);
   return polys;
@@ -172,10 +176,10 @@ BANDPO_INLINE void f32_run_div(const FastRun& run) {
   }
 }
 
-}  // namespace
-
-// One multi-versioned entry point; the flags pick a fully specialised, inlined loop.
-BANDPO_CPU_CLONES void f32_contiguous(const FastRun& run, bool log_input, bool clip, bool token) {
+// The loops compiled three times, for x86-64-v4 (AVX-512), x86-64-v3 (AVX2+FMA) and the baseline ISA; the
+// flags pick a fully specialised, inlined loop. On GCC/x86-64 the variant is chosen at run time
+// (cpu_variant.h); elsewhere only the baseline exists.
+BANDPO_INLINE void f32_contiguous_body(const FastRun& run, bool log_input, bool clip, bool token) {
   const int combo = (log_input ? 4 : 0) | (clip ? 2 : 0) | (token ? 1 : 0);
   switch (combo) {
     case 0:
@@ -205,6 +209,53 @@ BANDPO_CPU_CLONES void f32_contiguous(const FastRun& run, bool log_input, bool c
   }
 }
 
+#if defined(BANDPO_HAVE_AVX512_KERNEL)
+__attribute__((target("arch=x86-64-v4"))) void f32_contiguous_v4(const FastRun& run, bool log_input, bool clip,
+                                                                 bool token) {
+  f32_contiguous_body(run, log_input, clip, token);
+}
+__attribute__((target("arch=x86-64-v3"))) void f32_contiguous_v3(const FastRun& run, bool log_input, bool clip,
+                                                                 bool token) {
+  f32_contiguous_body(run, log_input, clip, token);
+}
+#endif
+void f32_contiguous_baseline(const FastRun& run, bool log_input, bool clip, bool token) {
+  f32_contiguous_body(run, log_input, clip, token);
+}
+
+}  // namespace
+
+void f32_contiguous(const FastRun& run, bool log_input, bool clip, bool token) {
+#if defined(BANDPO_HAVE_AVX512_KERNEL)
+  switch (cpu_variant()) {
+    case CpuVariant::kAvx512:
+      if (run.wide != nullptr && !token && run.band->divergence == Divergence::kKL) {
+        kl_scalar_avx512(run, *run.wide, log_input, clip);
+      } else {
+        f32_contiguous_v4(run, log_input, clip, token);
+      }
+      return;
+    case CpuVariant::kAvx2:
+      f32_contiguous_v3(run, log_input, clip, token);
+      return;
+    case CpuVariant::kBaseline:
+      break;
+  }
+#endif
+  f32_contiguous_baseline(run, log_input, clip, token);
+}
+
+const char* f32_kernel_name(bool token, Divergence divergence, bool wide) {
+  const CpuVariant v = cpu_variant();
+#if defined(BANDPO_HAVE_AVX512_KERNEL)
+  if (v == CpuVariant::kAvx512 && wide && !token && divergence == Divergence::kKL) return "avx512 fused wide-cell";
+#endif
+  (void)token;
+  (void)divergence;
+  (void)wide;
+  return cpu_variant_name(v);
+}
+
 namespace {
 
 // ---- the element loops over the iterator ----------------------------------------------------------------
@@ -226,7 +277,7 @@ BANDPO_INLINE void store_from_float(char* base, int64_t stride, int64_t i, float
 
 template <typename scalar_t, bool CLIP>
 void run_f32_blocks(char** data, const int64_t* strides, int64_t n, const BandParams& band, const DeltaConsts<float>& c,
-                    bool per_token) {
+                    bool per_token, const WideCells* wide) {
   const int in0 = CLIP ? 1 : 2;         // first input operand
   const int ip = CLIP ? in0 + 1 : in0;  // the probability
   alignas(64) float x[kBlock], d[kBlock], r[kBlock], o0[kBlock], o1[kBlock];
@@ -247,7 +298,8 @@ void run_f32_blocks(char** data, const int64_t* strides, int64_t n, const BandPa
                       CLIP ? nullptr : o0,
                       CLIP ? nullptr : o1,
                       CLIP ? o0 : nullptr,
-                      m};
+                      m,
+                      wide};
     f32_contiguous(run, band.log_input, CLIP, per_token);
     for (int i = 0; i < m; ++i) store_from_float<scalar_t>(data[0], strides[0], start + i, o0[i]);
     if (!CLIP) {
@@ -257,7 +309,7 @@ void run_f32_blocks(char** data, const int64_t* strides, int64_t n, const BandPa
 }
 
 template <typename scalar_t, bool CLIP>
-void run_band(at::TensorIterator& iter, const BandParams& band, bool per_token) {
+void run_band(at::TensorIterator& iter, const BandParams& band, bool per_token, const WideCells* wide) {
   using acc_t = at::opmath_type<scalar_t>;
   const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(band.delta));
   const int n_out = CLIP ? 1 : 2;
@@ -276,10 +328,11 @@ void run_band(at::TensorIterator& iter, const BandParams& band, bool per_token) 
                           CLIP ? nullptr : reinterpret_cast<float*>(data[0]),
                           CLIP ? nullptr : reinterpret_cast<float*>(data[1]),
                           CLIP ? reinterpret_cast<float*>(data[0]) : nullptr,
-                          n};
+                          n,
+                          wide};
         f32_contiguous(run, band.log_input, CLIP, per_token);
       } else {
-        run_f32_blocks<scalar_t, CLIP>(data, strides, n, band, c, per_token);
+        run_f32_blocks<scalar_t, CLIP>(data, strides, n, band, c, per_token, wide);
       }
       return;
     }
@@ -331,7 +384,7 @@ std::tuple<at::Tensor, at::Tensor> bounds_cpu(const at::Tensor& prob, const c10:
     return {it.lo, it.up};
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::bounds",
-                                  [&] { run_band<scalar_t, false>(it.iter, band, d.per_token_mode()); });
+                                  [&] { run_band<scalar_t, false>(it.iter, band, d.per_token_mode(), keep ? keep->wide.get() : nullptr); });
   return {it.lo, it.up};
 }
 
@@ -348,7 +401,7 @@ at::Tensor clip_cpu(const at::Tensor& ratio, const at::Tensor& prob, const c10::
     return it.out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::clip",
-                                  [&] { run_band<scalar_t, true>(it.iter, band, d.per_token_mode()); });
+                                  [&] { run_band<scalar_t, true>(it.iter, band, d.per_token_mode(), keep ? keep->wide.get() : nullptr); });
   return it.out;
 }
 

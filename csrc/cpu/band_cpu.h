@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "bandpo_math.h"
+#include "cpu/wide_cells.h"
 
 // Function multi-versioning: AVX-512 (x86-64-v4), AVX2+FMA (x86-64-v3) and baseline clones, picked at load
 // time. The AVX-512 clone, with -mprefer-vector-width=512 (setup.py), runs the vector passes 16 lanes wide:
@@ -24,6 +25,7 @@ namespace bandpo {
 struct CellPolys {
   std::vector<float> f;
   std::vector<double> d;
+  std::unique_ptr<WideCells> wide;  // the same re-cut for the SIMD kernel; null where the fit misses
 };
 std::shared_ptr<const CellPolys> cell_polys(const BandParams& band);
 
@@ -38,12 +40,16 @@ struct FastRun {
   float* up;
   float* out;  // clip only
   int64_t n;
+  const WideCells* wide = nullptr;  // scalar-δ KL: the wide cells (cpu/wide_cells.h), for the AVX-512 kernel
 };
 
 // Blocks of kBlock elements; the vectorised passes keep their temporaries on the stack.
 constexpr int kBlock = 256;
 
-// Any divergence, either δ mode, from p or log p; multi-versioned (AVX2+FMA / baseline).
+// Any divergence, either δ mode, from p or log p; the variant for this CPU (cpu_variant.h).
 void f32_contiguous(const FastRun& run, bool log_input, bool clip, bool token);
+
+// The name of the kernel f32_contiguous runs for such a run (for the benchmark's record).
+const char* f32_kernel_name(bool token, Divergence divergence, bool wide);
 
 }  // namespace bandpo
