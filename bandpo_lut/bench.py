@@ -210,6 +210,24 @@ print((status('VmHWM:') - before) / 1024.0)
     return float(out.stdout.strip().splitlines()[-1])
 
 
+CPU_VARIANT_TARGETS = {"avx512": "x86-64-v4", "avx2": "x86-64-v3", "baseline": "x86-64"}
+
+
+def cpu_kernel_line() -> str:
+    """Where a CPU figure was measured: the CPU's vector ISA and the kernel variant the library dispatched
+    (csrc/cpu/cpu_variant.h; BANDPO_LUT_CPU_VARIANT forces a slower one)."""
+    from . import _extension
+
+    cpu = _extension.facts()["cpu"]
+    variant = cpu.get("variant")
+    if variant is None:
+        return f"CPU kernels: vector ISA {cpu['isa']}; {cpu.get('variant_error')}"
+    kl = ("fused AVX-512 wide-cell kernel" if variant == "avx512"
+          else f"blocked loops for {CPU_VARIANT_TARGETS[variant]}")
+    return (f"CPU kernels: vector ISA {cpu['isa']}, variant {variant} (kl scalar delta: {kl}; "
+            f"other rows: blocked loops for {CPU_VARIANT_TARGETS[variant]})")
+
+
 def run(args) -> int:
     import bandpo_lut
     from bandpo_lut import accuracy
@@ -253,6 +271,8 @@ def run(args) -> int:
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else
              f" ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
           + f", float32, N = {n}")
+    if device.type == "cpu":
+        print(cpu_kernel_line())
     print(f"{'what':58s} {'ms/call':>10s} {'x clamp':>9s}")
     for name, t in rows:
         print(f"{name:58s} {t * 1e3:10.3f} {t / clamp_t:9.1f}")

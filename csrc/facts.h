@@ -7,6 +7,8 @@
 //   loss                       the fused loss's contract (csrc/loss_element.h): option ids, count and metric
 //                              sizes, the fractions' (numerator, denominator) count indices, bucket edges,
 //                              thresholds
+//   cpu                        the CPU's vector ISA and the kernel variant chosen for it (csrc/cpu/cpu_variant.h;
+//                              "variant_error" instead when BANDPO_LUT_CPU_VARIANT asks for one it cannot run)
 // tests/test_contract.py compares each with its Python owner (the divergence registry, loss_spec).
 #pragma once
 
@@ -14,6 +16,7 @@
 #include <string>
 
 #include "build_info.h"
+#include "cpu/cpu_variant.h"
 #include "divergence.h"
 #include "loss_element.h"
 #include "table_grid.h"
@@ -64,7 +67,17 @@ inline std::string facts_json() {
     const FractionDef d = fraction_def(f);
     o << (f ? ", " : "") << "[" << d.num << ", " << d.den << "]";
   }
-  o << "]}}";
+  o << "]}, \"cpu\": {\"isa\": \"" << cpu_variant_name(cpu_variant_supported()) << "\", ";
+  try {
+    const char* variant = cpu_variant_name(cpu_variant_from_env());  // may raise: write nothing before
+    o << "\"variant\": \"" << variant << "\"";
+  } catch (const c10::Error& e) {
+    std::string msg = e.what_without_backtrace();
+    for (char& ch : msg)
+      if (ch == '"' || ch == '\\' || ch == '\n') ch = ' ';
+    o << "\"variant_error\": \"" << msg << "\"";
+  }
+  o << "}}";
   return o.str();
 }
 

@@ -21,7 +21,7 @@
 #include "band_host.h"
 #include "cpu/band_cpu.h"
 #include "cpu/cpu_variant.h"
-#include "cpu/kl_avx512.h"
+#include "cpu/kl_simd.h"
 #include "cpu/table_gather.h"
 
 namespace bandpo {
@@ -209,7 +209,7 @@ BANDPO_INLINE void f32_contiguous_body(const FastRun& run, bool log_input, bool 
   }
 }
 
-#if defined(BANDPO_HAVE_AVX512_KERNEL)
+#if defined(BANDPO_HAVE_KL_SIMD)
 __attribute__((target("arch=x86-64-v4"))) void f32_contiguous_v4(const FastRun& run, bool log_input, bool clip,
                                                                  bool token) {
   f32_contiguous_body(run, log_input, clip, token);
@@ -225,18 +225,31 @@ void f32_contiguous_baseline(const FastRun& run, bool log_input, bool clip, bool
 
 }  // namespace
 
+#if defined(BANDPO_HAVE_KL_SIMD)
+// The narrow cells and their grid, for the AVX2 kernel.
+static avx2::V::Tables narrow_cells(const BandParams& band) {
+  const TableView& tb = band.table;
+  return {band.cell_f, static_cast<float>(tb.t_min), static_cast<float>(tb.t_min + (tb.nt - 1) * tb.t_step),
+          static_cast<float>(tb.t_step), static_cast<float>(1.0 / tb.t_step), tb.nt - 2};
+}
+#endif
+
 void f32_contiguous(const FastRun& run, bool log_input, bool clip, bool token) {
-#if defined(BANDPO_HAVE_AVX512_KERNEL)
+#if defined(BANDPO_HAVE_KL_SIMD)
   switch (cpu_variant()) {
     case CpuVariant::kAvx512:
       if (run.wide != nullptr && !token && run.band->divergence == Divergence::kKL) {
-        kl_scalar_avx512(run, *run.wide, log_input, clip);
+        avx512::kl_scalar(run, *run.wide, log_input, clip);
       } else {
         f32_contiguous_v4(run, log_input, clip, token);
       }
       return;
     case CpuVariant::kAvx2:
-      f32_contiguous_v3(run, log_input, clip, token);
+      if (run.band->cell_f != nullptr && !token && run.band->divergence == Divergence::kKL) {
+        avx2::kl_scalar(run, narrow_cells(*run.band), log_input, clip);
+      } else {
+        f32_contiguous_v3(run, log_input, clip, token);
+      }
       return;
     case CpuVariant::kBaseline:
       break;
@@ -247,8 +260,11 @@ void f32_contiguous(const FastRun& run, bool log_input, bool clip, bool token) {
 
 const char* f32_kernel_name(bool token, Divergence divergence, bool wide) {
   const CpuVariant v = cpu_variant();
-#if defined(BANDPO_HAVE_AVX512_KERNEL)
-  if (v == CpuVariant::kAvx512 && wide && !token && divergence == Divergence::kKL) return "avx512 fused wide-cell";
+#if defined(BANDPO_HAVE_KL_SIMD)
+  if (!token && divergence == Divergence::kKL) {
+    if (v == CpuVariant::kAvx512 && wide) return "avx512 fused, wide cells";
+    if (v == CpuVariant::kAvx2) return "avx2 fused, narrow cells";
+  }
 #endif
   (void)token;
   (void)divergence;

@@ -1,0 +1,157 @@
+// The AVX2+FMA vector type of the fused KL kernel (csrc/cpu/kl_simd_body.inc): 8 float lanes, masks as lanes of
+// all ones, and the table read from the narrow cells (one 256-bit row of 8 coefficients per cell: 8 row loads and
+// an 8x8 transpose per vector; AVX2 has no permute wide enough for the wide cells, and its gathers are slower).
+// Compiled only under `#pragma GCC target("avx2,fma")` (csrc/cpu/kl_simd.h).
+#pragma once
+
+#include "cpu/simd_common.h"
+
+namespace bandpo {
+namespace avx2 {
+
+struct V {
+  static constexpr int kLanes = 8;
+  using F = __m256;
+  using M = __m256;
+  struct Tail {
+    __m256i lanes;  // maskload/maskstore lanes (the sign bit of each)
+    bool full;
+  };
+  struct Consts {
+    F invc, logc;  // the 8-entry log table (simd_common.h)
+  };
+  struct Tables {  // the narrow cells (cell_polys) and their grid
+    const float* cells;
+    float t_min, t_max, step, inv_step;
+    int last_cell;
+  };
+  struct Grid {
+    F t_min, t_max, step, inv_step;
+    __m256i last_cell;
+  };
+
+  BANDPO_SIMD_INLINE static F set1(float v) { return _mm256_set1_ps(v); }
+  BANDPO_SIMD_INLINE static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  BANDPO_SIMD_INLINE static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  BANDPO_SIMD_INLINE static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  BANDPO_SIMD_INLINE static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  BANDPO_SIMD_INLINE static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  BANDPO_SIMD_INLINE static F min(F a, F b) { return _mm256_min_ps(a, b); }  // b where either is NaN
+  BANDPO_SIMD_INLINE static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  BANDPO_SIMD_INLINE static F abs(F a) {
+    return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+  }
+  BANDPO_SIMD_INLINE static M lt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+  BANDPO_SIMD_INLINE static M le(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
+  BANDPO_SIMD_INLINE static M gt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+  BANDPO_SIMD_INLINE static M eq(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
+  BANDPO_SIMD_INLINE static M unord(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_UNORD_Q); }
+  BANDPO_SIMD_INLINE static M mand(M a, M b) { return _mm256_and_ps(a, b); }
+  BANDPO_SIMD_INLINE static M mor(M a, M b) { return _mm256_or_ps(a, b); }
+  BANDPO_SIMD_INLINE static M mandnot(M a, M b) { return _mm256_andnot_ps(a, b); }  // ~a & b
+  BANDPO_SIMD_INLINE static bool any(M m) { return _mm256_movemask_ps(m) != 0; }
+  BANDPO_SIMD_INLINE static F blend(M m, F a, F b) { return _mm256_blendv_ps(a, b, m); }  // b where m
+  BANDPO_SIMD_INLINE static Tail tail(int64_t left) {
+    const int k = left >= kLanes ? kLanes : static_cast<int>(left);
+    return {_mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), k == kLanes};
+  }
+  BANDPO_SIMD_INLINE static F load(const float* p, const Tail& m) {
+    return m.full ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, m.lanes);
+  }
+  BANDPO_SIMD_INLINE static void store(float* p, const Tail& m, F v) {
+    if (m.full) {
+      _mm256_storeu_ps(p, v);
+    } else {
+      _mm256_maskstore_ps(p, m.lanes, v);
+    }
+  }
+
+  BANDPO_SIMD_INLINE static Consts consts() {
+    const LogTableT<3>& lt = log_table_t<3>();
+    return {_mm256_loadu_ps(lt.invc), _mm256_loadu_ps(lt.logc)};
+  }
+  BANDPO_SIMD_INLINE static Grid grid(const Tables& tb) {
+    return {set1(tb.t_min), set1(tb.t_max), set1(tb.step), set1(tb.inv_step), _mm256_set1_epi32(tb.last_cell)};
+  }
+
+  // log x as in the AVX-512 type, with an 8-entry table (|r| <= 1/16) and a degree-6 series (truncation < 6e-10).
+  BANDPO_SIMD_INLINE static F log(F x, const Consts& k) {
+    const __m256i ix = _mm256_castps_si256(x);
+    const __m256i tmp = _mm256_sub_epi32(ix, _mm256_set1_epi32(kLogOff));
+    const __m256i idx = _mm256_srli_epi32(tmp, 20);  // the permute reads the low 3 bits
+    const F e = _mm256_cvtepi32_ps(_mm256_srai_epi32(tmp, 23));
+    const F z = _mm256_castsi256_ps(_mm256_sub_epi32(ix, _mm256_and_si256(tmp, _mm256_set1_epi32(kExponentMask))));
+    const F r = _mm256_fmsub_ps(z, _mm256_permutevar8x32_ps(k.invc, idx), set1(1.0f));
+    const F y0 = fmadd(e, set1(kLn2Hi), _mm256_permutevar8x32_ps(k.logc, idx));
+    F s = fmadd(r, set1(-1.0f / 6.0f), set1(0.2f));
+    s = fmadd(r, s, set1(-0.25f));
+    s = fmadd(r, s, set1(1.0f / 3.0f));
+    s = fmadd(r, s, set1(-0.5f));
+    F y = add(y0, fmadd(mul(r, r), s, fmadd(e, set1(kLn2Lo), r)));
+    // 0, subnormals and negatives -> -inf, +inf -> +inf, NaN -> NaN (see the AVX-512 type)
+    const M special = _mm256_or_ps(_mm256_cmp_ps(x, set1(kFloatMinNormal), _CMP_NGE_UQ),
+                                   _mm256_cmp_ps(x, set1(kFloatMax), _CMP_GT_OQ));
+    if (!any(special)) return y;
+    y = blend(lt(x, set1(kFloatMinNormal)), y, set1(-kInf));
+    y = blend(gt(x, set1(kFloatMax)), y, set1(kInf));
+    return blend(unord(x, x), y, x);
+  }
+
+  // e^x for x <= 88.7 (NaN stays NaN, below -104 gives 0): the series of exp_f32_reduced, then 2^n applied in
+  // two halves so that subnormal results are still produced (as exp_f32).
+  BANDPO_SIMD_INLINE static F exp(F x) {
+    x = min(set1(88.7f), max(set1(-104.0f), x));  // NaN passes (second operands)
+    const F n = _mm256_round_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    F r = _mm256_fnmadd_ps(n, set1(kLn2Hi), x);
+    r = _mm256_fnmadd_ps(n, set1(kLn2Lo), r);
+    F s = fmadd(r, set1(1.0f / 5040), set1(1.0f / 720));
+    s = fmadd(r, s, set1(1.0f / 120));
+    s = fmadd(r, s, set1(1.0f / 24));
+    s = fmadd(r, s, set1(1.0f / 6));
+    s = fmadd(r, s, set1(0.5f));
+    s = fmadd(r, s, set1(1.0f));
+    s = fmadd(r, s, set1(1.0f));
+    const __m256i ni = _mm256_cvtps_epi32(n);  // NaN: 0x80000000, whose scale is irrelevant (s is NaN)
+    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const F s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const F s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return mul(mul(s, s1), s2);
+  }
+
+  // q_up and κ at t (clamped onto the grid): axis_cell's cell and exact fraction, then the cell cubics read as
+  // rows and transposed (as cell_cubics_avx2).
+  BANDPO_SIMD_INLINE static void read_table(const Tables& tb, const Grid& g, F t, F& q, F& kappa) {
+    const F tc = min(max(t, g.t_min), g.t_max);  // NaN -> t_min
+    __m256i cell = _mm256_cvttps_epi32(mul(sub(tc, g.t_min), g.inv_step));
+    cell = _mm256_min_epi32(cell, g.last_cell);
+    const F start = add(g.t_min, mul(_mm256_cvtepi32_ps(cell), g.step));  // exact: a dyadic step
+    const F u = min(max(mul(sub(tc, start), g.inv_step), set1(0.0f)), set1(1.0f));
+    // Row offsets moved to general registers lane by lane (a vector store read back as scalars stalls on
+    // store forwarding).
+    const __m256i off = _mm256_slli_epi32(cell, 3);
+    const __m128i lo4 = _mm256_castsi256_si128(off), hi4 = _mm256_extracti128_si256(off, 1);
+    const float* c = tb.cells;
+    const F r0 = _mm256_loadu_ps(c + _mm_cvtsi128_si32(lo4)), r1 = _mm256_loadu_ps(c + _mm_extract_epi32(lo4, 1));
+    const F r2 = _mm256_loadu_ps(c + _mm_extract_epi32(lo4, 2)), r3 = _mm256_loadu_ps(c + _mm_extract_epi32(lo4, 3));
+    const F r4 = _mm256_loadu_ps(c + _mm_cvtsi128_si32(hi4)), r5 = _mm256_loadu_ps(c + _mm_extract_epi32(hi4, 1));
+    const F r6 = _mm256_loadu_ps(c + _mm_extract_epi32(hi4, 2)), r7 = _mm256_loadu_ps(c + _mm_extract_epi32(hi4, 3));
+    const F t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    const F t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    const F t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    const F t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    const F s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const F s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const F s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const F s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    const F c0 = _mm256_permute2f128_ps(s0, s4, 0x20), c4 = _mm256_permute2f128_ps(s0, s4, 0x31);
+    const F c1 = _mm256_permute2f128_ps(s1, s5, 0x20), c5 = _mm256_permute2f128_ps(s1, s5, 0x31);
+    const F c2 = _mm256_permute2f128_ps(s2, s6, 0x20), c6 = _mm256_permute2f128_ps(s2, s6, 0x31);
+    const F c3 = _mm256_permute2f128_ps(s3, s7, 0x20), c7 = _mm256_permute2f128_ps(s3, s7, 0x31);
+    q = fmadd(u, fmadd(u, fmadd(u, c3, c2), c1), c0);
+    kappa = fmadd(u, fmadd(u, fmadd(u, c7, c6), c5), c4);
+  }
+};
+
+}  // namespace avx2
+}  // namespace bandpo

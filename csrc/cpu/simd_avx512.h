@@ -1,0 +1,128 @@
+// The AVX-512 vector type of the fused KL kernel (csrc/cpu/kl_simd_body.inc): 16 float lanes, mask registers,
+// and the table read from the 32 wide cells (csrc/cpu/wide_cells.h), one two-register permute (vpermt2ps) per
+// coefficient. Compiled only under `#pragma GCC target` for AVX-512 (csrc/cpu/kl_simd.h).
+#pragma once
+
+#include "cpu/simd_common.h"
+
+namespace bandpo {
+namespace avx512 {
+
+struct V {
+  static constexpr int kLanes = 16;
+  using F = __m512;
+  using M = __mmask16;
+  using Tail = __mmask16;
+  struct Consts {
+    F invc, logc;  // the 16-entry log table (simd_common.h)
+  };
+  struct Grid {
+    F t_min, t_max, width, inv_width, last_cell;
+  };
+  using Tables = WideCells;
+
+  BANDPO_SIMD_INLINE static F set1(float v) { return _mm512_set1_ps(v); }
+  BANDPO_SIMD_INLINE static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  BANDPO_SIMD_INLINE static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  BANDPO_SIMD_INLINE static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  BANDPO_SIMD_INLINE static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  BANDPO_SIMD_INLINE static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  BANDPO_SIMD_INLINE static F min(F a, F b) { return _mm512_min_ps(a, b); }  // b where either is NaN
+  BANDPO_SIMD_INLINE static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  BANDPO_SIMD_INLINE static F abs(F a) { return _mm512_abs_ps(a); }
+  BANDPO_SIMD_INLINE static M lt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  BANDPO_SIMD_INLINE static M le(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+  BANDPO_SIMD_INLINE static M gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  BANDPO_SIMD_INLINE static M eq(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+  BANDPO_SIMD_INLINE static M unord(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
+  BANDPO_SIMD_INLINE static M mand(M a, M b) { return a & b; }
+  BANDPO_SIMD_INLINE static M mor(M a, M b) { return a | b; }
+  BANDPO_SIMD_INLINE static M mandnot(M a, M b) { return static_cast<M>(~a & b); }
+  BANDPO_SIMD_INLINE static bool any(M m) { return m != 0; }
+  BANDPO_SIMD_INLINE static F blend(M m, F a, F b) { return _mm512_mask_blend_ps(m, a, b); }  // b where m
+  BANDPO_SIMD_INLINE static Tail tail(int64_t left) {
+    return left >= kLanes ? static_cast<Tail>(0xffff) : static_cast<Tail>((1u << left) - 1u);
+  }
+  BANDPO_SIMD_INLINE static F load(const float* p, Tail m) { return _mm512_maskz_loadu_ps(m, p); }
+  BANDPO_SIMD_INLINE static void store(float* p, Tail m, F v) { _mm512_mask_storeu_ps(p, m, v); }
+
+  BANDPO_SIMD_INLINE static Consts consts() {
+    const LogTableT<4>& lt = log_table_t<4>();
+    return {_mm512_loadu_ps(lt.invc), _mm512_loadu_ps(lt.logc)};
+  }
+  BANDPO_SIMD_INLINE static Grid grid(const Tables& w) {
+    return {set1(w.t_min), set1(w.t_max), set1(w.width), set1(w.inv_width),
+            set1(static_cast<float>(WideCells::kCells - 1))};
+  }
+
+  // log x: x = z·2^e with z in [kLogOff, 2·kLogOff) from the bits, z·(1/c) - 1 = r with |r| <= 1/32 for the
+  // table entry c of z's top 4 mantissa bits, log1p(r) by a degree-5 series (truncation < 2e-10). Absolute
+  // error ~1e-8 plus the result's rounding; log(0) = -inf, log(+inf) = +inf, NaN stays NaN (fixed below).
+  BANDPO_SIMD_INLINE static F log(F x, const Consts& k) {
+    const __m512i ix = _mm512_castps_si512(x);
+    const __m512i tmp = _mm512_sub_epi32(ix, _mm512_set1_epi32(kLogOff));
+    const __m512i idx = _mm512_srli_epi32(tmp, 19);  // the permute reads the low 4 bits
+    const F e = _mm512_cvtepi32_ps(_mm512_srai_epi32(tmp, 23));
+    const F z = _mm512_castsi512_ps(_mm512_sub_epi32(ix, _mm512_and_si512(tmp, _mm512_set1_epi32(kExponentMask))));
+    const F r = _mm512_fmsub_ps(z, _mm512_permutexvar_ps(idx, k.invc), set1(1.0f));
+    const F y = log_combine(e, _mm512_permutexvar_ps(idx, k.logc), r);
+    return fix_log_specials(x, y);
+  }
+  BANDPO_SIMD_INLINE static F log_combine(F e, F logc, F r) {
+    const F y0 = fmadd(e, set1(kLn2Hi), logc);
+    F s = fmadd(r, set1(0.2f), set1(-0.25f));
+    s = fmadd(r, s, set1(1.0f / 3.0f));
+    s = fmadd(r, s, set1(-0.5f));
+    return add(y0, fmadd(mul(r, r), s, fmadd(e, set1(kLn2Lo), r)));
+  }
+  // 0, subnormals and negatives -> -inf (a t far beyond the grid either way; negative arguments come only from
+  // inputs already marked NaN), +inf -> +inf, NaN -> NaN.
+  BANDPO_SIMD_INLINE static F fix_log_specials(F x, F y) {
+    const M special = _mm512_cmp_ps_mask(x, set1(kFloatMinNormal), _CMP_NGE_UQ) |
+                      _mm512_cmp_ps_mask(x, set1(kFloatMax), _CMP_GT_OQ);
+    if (!any(special)) return y;
+    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, set1(kFloatMinNormal), _CMP_LT_OQ), y, set1(-kInf));
+    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, set1(kFloatMax), _CMP_GT_OQ), y, set1(kInf));
+    return _mm512_mask_blend_ps(unord(x, x), y, x);
+  }
+
+  // e^x for x <= 89: e^r by its series to r^7 (as exp_f32_reduced), times 2^n by vscalefps, which rounds a
+  // subnormal result once; below -104 the result is 0; NaN stays NaN.
+  BANDPO_SIMD_INLINE static F exp(F x) {
+    x = max(set1(-104.0f), x);  // max(c, NaN) is NaN
+    const F n = _mm512_roundscale_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_scalef_ps(exp_series(x, n), n);
+  }
+  BANDPO_SIMD_INLINE static F exp_series(F x, F n) {
+    F r = _mm512_fnmadd_ps(n, set1(kLn2Hi), x);
+    r = _mm512_fnmadd_ps(n, set1(kLn2Lo), r);
+    F s = fmadd(r, set1(1.0f / 5040), set1(1.0f / 720));
+    s = fmadd(r, s, set1(1.0f / 120));
+    s = fmadd(r, s, set1(1.0f / 24));
+    s = fmadd(r, s, set1(1.0f / 6));
+    s = fmadd(r, s, set1(0.5f));
+    s = fmadd(r, s, set1(1.0f));
+    return fmadd(r, s, set1(1.0f));
+  }
+  // q_up and κ at t (clamped onto the grid; NaN goes to its first node): cell c = floor((t - t_min)/width),
+  // offset v = t - (t_min + c·width), exact for the shipped grid; then the degree-6 polynomials in v.
+  BANDPO_SIMD_INLINE static void read_table(const Tables& w, const Grid& g, F t, F& q, F& kappa) {
+    const F tc = min(max(t, g.t_min), g.t_max);
+    const F cell =
+        min(_mm512_roundscale_ps(mul(sub(tc, g.t_min), g.inv_width), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+            g.last_cell);
+    const F v = sub(tc, fmadd(cell, g.width, g.t_min));
+    const __m512i idx = _mm512_cvttps_epi32(cell);
+    constexpr int D = WideCells::kDegree;
+    q = _mm512_permutex2var_ps(_mm512_load_ps(&w.q[D][0]), idx, _mm512_load_ps(&w.q[D][16]));
+    kappa = _mm512_permutex2var_ps(_mm512_load_ps(&w.kappa[D][0]), idx, _mm512_load_ps(&w.kappa[D][16]));
+    for (int j = D - 1; j >= 0; --j) {
+      q = fmadd(q, v, _mm512_permutex2var_ps(_mm512_load_ps(&w.q[j][0]), idx, _mm512_load_ps(&w.q[j][16])));
+      kappa = fmadd(kappa, v,
+                    _mm512_permutex2var_ps(_mm512_load_ps(&w.kappa[j][0]), idx, _mm512_load_ps(&w.kappa[j][16])));
+    }
+  }
+};
+
+}  // namespace avx512
+}  // namespace bandpo

@@ -1,0 +1,51 @@
+// Constants and tables shared by the fused KL kernel's vector types (csrc/cpu/simd_avx512.h, simd_avx2.h).
+// Plain C++: compiled for every target; the vector code that uses it lives under per-ISA pragmas.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "bandpo_math.h"
+#include "cpu/band_cpu.h"
+#include "cpu/wide_cells.h"
+
+// Everything in the vector types and the kernel body is force-inlined into the ISA's entry point, so that no
+// call crosses from code of one target to another.
+#define BANDPO_SIMD_INLINE inline __attribute__((always_inline))
+
+namespace bandpo {
+
+constexpr float kLn2Hi = 0.693145751953125f;  // ln 2 = kLn2Hi + kLn2Lo; k·kLn2Hi is exact for |k| < 2^9
+constexpr float kLn2Lo = 1.428606765330187e-06f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kFloatMinNormal = 1.17549435e-38f;
+constexpr float kFloatMax = 3.40282347e+38f;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr std::int32_t kExponentMask = static_cast<std::int32_t>(0xff800000u);  // sign and exponent bits
+
+// log(z) for z in [kLogOff, 2·kLogOff): 2^BITS subintervals (the top BITS mantissa bits of z's offset from
+// kLogOff), each with 1/c rounded to float and log c = -log(that float) rounded to float, so that
+// z·(1/c) - 1 = r is one FMA rounding and |r| <= 2^-BITS·(2/3): log z = log c + log1p(r).
+constexpr std::int32_t kLogOff = 0x3f330000;  // 0.69921875
+template <int BITS>
+struct LogTableT {
+  float invc[1 << BITS];
+  float logc[1 << BITS];
+  LogTableT() {
+    for (int i = 0; i < (1 << BITS); ++i) {
+      const float c = bits_to_float(kLogOff + (i << (23 - BITS)) + (1 << (22 - BITS)));  // the midpoint, in bits
+      invc[i] = static_cast<float>(1.0 / c);
+      logc[i] = static_cast<float>(-std::log(static_cast<double>(invc[i])));
+    }
+  }
+};
+template <int BITS>
+inline const LogTableT<BITS>& log_table_t() {
+  static const LogTableT<BITS> table;
+  return table;
+}
+
+}  // namespace bandpo
