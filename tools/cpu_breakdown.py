@@ -2,11 +2,12 @@
 """Where the CPU band's time goes: ns per element of each piece of the fused KL kernel (csrc/cpu/kl_simd_body.inc),
 for the AVX-512 and AVX2 variants this CPU runs, and of the work around it (output allocation, the parallel split).
 
-The kernel's pieces are timed by a small C++ program compiled here from the repository's own headers (g++ -O3
--march=native; the kernels keep the extension's per-ISA pragmas): each piece runs alone over an L1-resident block, so its figure is its throughput
-cost; the whole kernel then runs over N elements from memory. The op-level rows time bandpo_lut.clip against
-torch.clamp and torch.empty in this process, at 1 and 2 threads (thread CPU time at 1 thread, so that a busy
-machine's descheduling does not count). Prints a table; needs g++ on an x86-64 machine.
+The kernel's pieces are timed by a small C++ program compiled here from the repository's own headers
+(g++ -O3 -march=native; the kernels keep the extension's per-ISA pragmas): each piece runs alone over an
+L1-resident block, so its figure is its throughput cost; the whole kernel then runs over N elements from memory.
+The op-level rows time bandpo_lut.clip against torch.clamp and torch.empty in this process, at 1 and 2 threads
+(thread CPU time at 1 thread, so that a busy machine's descheduling does not count). Prints a table; needs g++ on
+an x86-64 machine.
 
 usage: python tools/cpu_breakdown.py [--n 4194304]
 """
@@ -33,7 +34,11 @@ PROGRAM = r"""
 #include <random>
 #include <vector>
 using namespace bandpo;
-static double now() { timespec ts; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts); return ts.tv_sec + 1e-9 * ts.tv_nsec; }
+static double now() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
 constexpr int B = 256;
 alignas(64) static float in0[B], in1[B], out0[B], out1[B];
 template <class Fn> double per_element(Fn fn, long reps) {
@@ -45,32 +50,44 @@ template <class Fn> double per_element(Fn fn, long reps) {
   }
   return best;
 }
-#define PIECES(NS, TABLES)                                                                                           \
-  {                                                                                                                  \
-    using V = NS::V; using F = V::F;                                                                                 \
-    const V::Consts k = V::consts(); const V::Grid g = V::grid(TABLES); const V::Tail full = V::tail(V::kLanes);     \
-    const long reps = 20000;                                                                                         \
-    printf("%-8s %-34s %6.2f\n", #NS, "load + store (a copy)", per_element([&] {                                    \
-      for (int i = 0; i < B; i += V::kLanes) V::store(out0 + i, full, V::load(in0 + i, full)); }, reps));            \
-    printf("%-8s %-34s %6.2f\n", #NS, "division", per_element([&] {                                                 \
-      for (int i = 0; i < B; i += V::kLanes) V::store(out0 + i, full, V::div(V::load(in0 + i, full), V::load(in1 + i, full))); }, reps)); \
-    printf("%-8s %-34s %6.2f\n", #NS, "log (table-driven)", per_element([&] {                                       \
-      for (int i = 0; i < B; i += V::kLanes) V::store(out0 + i, full, V::log(V::load(in0 + i, full), k)); }, reps));   \
-    printf("%-8s %-34s %6.2f\n", #NS, "exp", per_element([&] {                                                      \
-      for (int i = 0; i < B; i += V::kLanes) V::store(out0 + i, full, V::exp(V::sub(V::set1(0.0f), V::load(in0 + i, full)))); }, reps)); \
-    printf("%-8s %-34s %6.2f\n", #NS, "table read (q and kappa)", per_element([&] {                                 \
-      for (int i = 0; i < B; i += V::kLanes) { F q, kap; V::read_table(TABLES, g, V::load(in1 + i, full), q, kap);   \
-        V::store(out0 + i, full, q); V::store(out1 + i, full, kap); } }, reps));                                     \
-    FastRun run{&band, &c, xs.data(), nullptr, rs.data(), nullptr, nullptr, os.data(), n, &w};                       \
-    for (int clip = 0; clip < 2; ++clip) for (int lg = 0; lg < 2; ++lg) {                                             \
-      run.x = lg ? ls.data() : xs.data(); run.out = clip ? os.data() : nullptr;                                      \
-      run.lo = clip ? nullptr : os.data(); run.up = clip ? nullptr : us.data();                                      \
-      double best = 1e9;                                                                                             \
-      for (int r = 0; r < 5; ++r) { const double t0 = now(); NS::kl_scalar(run, TABLES, lg, clip);                  \
-        best = std::min(best, (now() - t0) / n * 1e9); }                                                             \
-      printf("%-8s %-34s %6.2f\n", #NS, clip ? (lg ? "whole kernel: clip, log p" : "whole kernel: clip, p")          \
-                                             : (lg ? "whole kernel: bounds, log p" : "whole kernel: bounds, p"), best); \
-    }                                                                                                                \
+// Each piece over one L1-resident block, then the whole kernel over n elements from memory.
+#define ROW(NS, NAME, BODY) printf("%-8s %-50s %6.2f\n", #NS, NAME, per_element([&] { BODY; }, 20000))
+#define LOOP(EXPR) for (int i = 0; i < B; i += V::kLanes) EXPR
+#define PIECES(NS, TABLES)                                                                          \
+  {                                                                                                 \
+    using V = NS::V;                                                                                \
+    using F = V::F;                                                                                 \
+    const V::Consts k = V::consts();                                                                \
+    const V::Grid g = V::grid(TABLES);                                                              \
+    const V::Tail full = V::tail(V::kLanes);                                                        \
+    auto in = [&](const float* a, int i) { return V::load(a + i, full); };                          \
+    ROW(NS, "load + store (a copy)", LOOP(V::store(out0 + i, full, in(in0, i))));                  \
+    ROW(NS, "division", LOOP(V::store(out0 + i, full, V::div(in(in0, i), in(in1, i)))));           \
+    ROW(NS, "log (table-driven)", LOOP(V::store(out0 + i, full, V::log(in(in0, i), k))));          \
+    ROW(NS, "exp", LOOP(V::store(out0 + i, full, V::exp(V::sub(V::set1(0.0f), in(in0, i))))));     \
+    ROW(NS, "table read (q and kappa)", LOOP({                                                      \
+          F q;                                                                                      \
+          F kap;                                                                                    \
+          V::read_table(TABLES, g, in(in1, i), q, kap);                                             \
+          V::store(out0 + i, full, q);                                                              \
+          V::store(out1 + i, full, kap);                                                            \
+        }));                                                                                        \
+    FastRun run{&band, &c, xs.data(), nullptr, rs.data(), nullptr, nullptr, os.data(), n, &w};      \
+    for (int clip = 0; clip < 2; ++clip)                                                            \
+      for (int lg = 0; lg < 2; ++lg) {                                                              \
+        run.x = lg ? ls.data() : xs.data();                                                         \
+        run.out = clip ? os.data() : nullptr;                                                       \
+        run.lo = clip ? nullptr : os.data();                                                        \
+        run.up = clip ? nullptr : us.data();                                                        \
+        double best = 1e9;                                                                          \
+        for (int r = 0; r < 5; ++r) {                                                               \
+          const double t0 = now();                                                                  \
+          NS::kl_scalar(run, TABLES, lg, clip);                                                     \
+          best = std::min(best, (now() - t0) / n * 1e9);                                            \
+        }                                                                                           \
+        printf("%-8s whole kernel: %-36s %6.2f\n", #NS, clip ? (lg ? "clip, log p" : "clip, p")    \
+                                                             : (lg ? "bounds, log p" : "bounds, p"), best); \
+      }                                                                                             \
   }
 int main(int argc, char** argv) {
   const long n = std::atol(argv[1]);
@@ -78,11 +95,18 @@ int main(int argc, char** argv) {
   std::mt19937 gen(1); std::uniform_real_distribution<float> U(0, 1);
   for (int i = 0; i < B; ++i) { in0[i] = 0.001f + U(gen); in1[i] = -13.0f + 26.0f * U(gen); }
   std::vector<float> xs(n), ls(n), rs(n), os(n), us(n), cells(448 * 8);
-  for (long i = 0; i < n; ++i) { ls[i] = -10.0f * U(gen); xs[i] = std::exp(ls[i]); rs[i] = std::exp(0.3f * (U(gen) - 0.5f)); }
+  for (long i = 0; i < n; ++i) {
+    ls[i] = -10.0f * U(gen);
+    xs[i] = std::exp(ls[i]);
+    rs[i] = std::exp(0.3f * (U(gen) - 0.5f));
+  }
   for (int kk = 0; kk < 448; ++kk) for (int j = 0; j < 8; ++j) cells[8 * kk + j] = (j % 4 == 0) ? 0.5f : 0.01f;
   WideCells w{}; w.t_min = -14; w.t_max = 14; w.width = 0.875f; w.inv_width = 1 / 0.875f;
-  for (int j = 0; j <= WideCells::kDegree; ++j) for (int c = 0; c < WideCells::kCells; ++c) { w.q[j][c] = j ? 0.01f : 0.5f; w.kappa[j][c] = j ? 0.01f : 1.0f; }
-  BandParams band{}; band.max_ratio = 10; band.table.t_min = -14; band.table.t_step = 0.0625; band.table.nt = 449; band.cell_f = cells.data();
+  for (int j = 0; j <= WideCells::kDegree; ++j)
+    for (int c = 0; c < WideCells::kCells; ++c) w.q[j][c] = j ? 0.01f : 0.5f, w.kappa[j][c] = j ? 0.01f : 1.0f;
+  BandParams band{};
+  band.max_ratio = 10, band.table.t_min = -14, band.table.t_step = 0.0625, band.table.nt = 449;
+  band.cell_f = cells.data();
   const DeltaConsts<float> c = delta_consts<float>(0.05f);
   const avx2::V::Tables narrow{cells.data(), -14.0f, 14.0f, 0.0625f, 16.0f, 447};
 #if defined(__AVX512F__)
@@ -100,7 +124,8 @@ def kernel_rows(n: int) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "pieces.cpp", Path(tmp) / "pieces"
         src.write_text(PROGRAM)
-        subprocess.run([gxx, "-O3", "-march=native", "-std=c++17", f"-I{REPO / 'csrc'}", str(src), "-o", str(exe)], check=True)
+        cmd = [gxx, "-O3", "-march=native", "-std=c++17", f"-I{REPO / 'csrc'}", str(src), "-o", str(exe)]
+        subprocess.run(cmd, check=True)
         avx512 = "avx512f" in Path("/proc/cpuinfo").read_text()
         out = subprocess.run([str(exe), str(n), "avx512" if avx512 else "avx2"], check=True, capture_output=True,
                              text=True)

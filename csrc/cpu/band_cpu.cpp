@@ -1,9 +1,10 @@
 // CPU implementations of bandpo_lut::bounds and bandpo_lut::clip.
 //
-// TensorIterator handles broadcasting, strides and the parallel split (at::parallel_for underneath);
-// contiguous float32 runs go through branch-free blocked loops that GCC vectorises,
-// compiled for AVX-512, AVX2+FMA and the baseline ISA with function multi-versioning (the loader picks one at
-// run time). Everything else runs the same per-element code in a plain strided loop.
+// TensorIterator handles broadcasting, strides and the parallel split (at::parallel_for underneath). Contiguous
+// float32 runs (and every other run, gathered block by block into float32 buffers) go to f32_contiguous: KL with a
+// scalar δ to the fused SIMD kernel (csrc/cpu/kl_simd.h; AVX-512 or AVX2), everything else to branch-free blocked
+// loops that GCC vectorises, compiled for x86-64-v4, x86-64-v3 and the baseline ISA. The variant is chosen at run
+// time (csrc/cpu/cpu_variant.h). float64 runs the same per-element code in a plain strided loop.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -229,8 +230,12 @@ void f32_contiguous_baseline(const FastRun& run, bool log_input, bool clip, bool
 // The narrow cells and their grid, for the AVX2 kernel.
 static avx2::V::Tables narrow_cells(const BandParams& band) {
   const TableView& tb = band.table;
-  return {band.cell_f, static_cast<float>(tb.t_min), static_cast<float>(tb.t_min + (tb.nt - 1) * tb.t_step),
-          static_cast<float>(tb.t_step), static_cast<float>(1.0 / tb.t_step), tb.nt - 2};
+  return {band.cell_f,
+          static_cast<float>(tb.t_min),
+          static_cast<float>(tb.t_min + (tb.nt - 1) * tb.t_step),
+          static_cast<float>(tb.t_step),
+          static_cast<float>(1.0 / tb.t_step),
+          tb.nt - 2};
 }
 #endif
 
@@ -256,20 +261,6 @@ void f32_contiguous(const FastRun& run, bool log_input, bool clip, bool token) {
   }
 #endif
   f32_contiguous_baseline(run, log_input, clip, token);
-}
-
-const char* f32_kernel_name(bool token, Divergence divergence, bool wide) {
-  const CpuVariant v = cpu_variant();
-#if defined(BANDPO_HAVE_KL_SIMD)
-  if (!token && divergence == Divergence::kKL) {
-    if (v == CpuVariant::kAvx512 && wide) return "avx512 fused, wide cells";
-    if (v == CpuVariant::kAvx2) return "avx2 fused, narrow cells";
-  }
-#endif
-  (void)token;
-  (void)divergence;
-  (void)wide;
-  return cpu_variant_name(v);
 }
 
 namespace {
@@ -399,8 +390,9 @@ std::tuple<at::Tensor, at::Tensor> bounds_cpu(const at::Tensor& prob, const c10:
     it.up.fill_(std::numeric_limits<double>::quiet_NaN());
     return {it.lo, it.up};
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::bounds",
-                                  [&] { run_band<scalar_t, false>(it.iter, band, d.per_token_mode(), keep ? keep->wide.get() : nullptr); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::bounds", [&] {
+    run_band<scalar_t, false>(it.iter, band, d.per_token_mode(), keep ? keep->wide.get() : nullptr);
+  });
   return {it.lo, it.up};
 }
 
@@ -416,8 +408,9 @@ at::Tensor clip_cpu(const at::Tensor& ratio, const at::Tensor& prob, const c10::
     it.out.fill_(std::numeric_limits<double>::quiet_NaN());
     return it.out;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::clip",
-                                  [&] { run_band<scalar_t, true>(it.iter, band, d.per_token_mode(), keep ? keep->wide.get() : nullptr); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::clip", [&] {
+    run_band<scalar_t, true>(it.iter, band, d.per_token_mode(), keep ? keep->wide.get() : nullptr);
+  });
   return it.out;
 }
 

@@ -49,7 +49,4 @@ constexpr int kBlock = 256;
 // Any divergence, either δ mode, from p or log p; the variant for this CPU (cpu_variant.h).
 void f32_contiguous(const FastRun& run, bool log_input, bool clip, bool token);
 
-// The name of the kernel f32_contiguous runs for such a run (for the benchmark's record).
-const char* f32_kernel_name(bool token, Divergence divergence, bool wide);
-
 }  // namespace bandpo

@@ -38,9 +38,7 @@ struct V {
   BANDPO_SIMD_INLINE static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   BANDPO_SIMD_INLINE static F min(F a, F b) { return _mm256_min_ps(a, b); }  // b where either is NaN
   BANDPO_SIMD_INLINE static F max(F a, F b) { return _mm256_max_ps(a, b); }
-  BANDPO_SIMD_INLINE static F abs(F a) {
-    return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
-  }
+  BANDPO_SIMD_INLINE static F abs(F a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
   BANDPO_SIMD_INLINE static M lt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
   BANDPO_SIMD_INLINE static M le(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
   BANDPO_SIMD_INLINE static M gt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }

@@ -78,8 +78,8 @@ struct V {
   // 0, subnormals and negatives -> -inf (a t far beyond the grid either way; negative arguments come only from
   // inputs already marked NaN), +inf -> +inf, NaN -> NaN.
   BANDPO_SIMD_INLINE static F fix_log_specials(F x, F y) {
-    const M special = _mm512_cmp_ps_mask(x, set1(kFloatMinNormal), _CMP_NGE_UQ) |
-                      _mm512_cmp_ps_mask(x, set1(kFloatMax), _CMP_GT_OQ);
+    const M special =
+        _mm512_cmp_ps_mask(x, set1(kFloatMinNormal), _CMP_NGE_UQ) | _mm512_cmp_ps_mask(x, set1(kFloatMax), _CMP_GT_OQ);
     if (!any(special)) return y;
     y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, set1(kFloatMinNormal), _CMP_LT_OQ), y, set1(-kInf));
     y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, set1(kFloatMax), _CMP_GT_OQ), y, set1(kInf));
@@ -118,8 +118,8 @@ struct V {
     kappa = _mm512_permutex2var_ps(_mm512_load_ps(&w.kappa[D][0]), idx, _mm512_load_ps(&w.kappa[D][16]));
     for (int j = D - 1; j >= 0; --j) {
       q = fmadd(q, v, _mm512_permutex2var_ps(_mm512_load_ps(&w.q[j][0]), idx, _mm512_load_ps(&w.q[j][16])));
-      kappa = fmadd(kappa, v,
-                    _mm512_permutex2var_ps(_mm512_load_ps(&w.kappa[j][0]), idx, _mm512_load_ps(&w.kappa[j][16])));
+      kappa =
+          fmadd(kappa, v, _mm512_permutex2var_ps(_mm512_load_ps(&w.kappa[j][0]), idx, _mm512_load_ps(&w.kappa[j][16])));
     }
   }
 };
