@@ -116,6 +116,7 @@ inline BandParams make_params(const at::Tensor& table, c10::ArrayRef<double> gri
   band.delta_js = band.table.ns > 0 ? delta_weights(band.table, delta, band.delta_ws) : 0;
   band.cell_f = nullptr;
   band.cell_d = nullptr;
+  band.wide = nullptr;
   return band;
 }
 

@@ -22,6 +22,8 @@ constexpr int kWarpSize = 64;
 constexpr int kWarpSize = 32;
 #endif
 
+struct WideCells;  // csrc/cpu/wide_cells.h
+
 // The table as the kernels see it. Plain data: pointers and sizes only, no at::Tensor.
 struct TableView {
   const float* coef;  // [2][nt + 2][ns + 2] B-spline coefficients: [0] q_up, [1] κ; row-major
@@ -47,8 +49,9 @@ struct BandParams {
   double delta;      // the scalar δ (when no per-token δ tensor is given)
   int delta_js;      // scalar δ: its s-axis cell and B-spline weights, for collapsing the table
   double delta_ws[4];
-  const float* cell_f;   // scalar δ, KL: [nt - 1][8] power-basis cubics per t cell (q_up, κ), float
-  const double* cell_d;  // the same in double, for float64 inputs
+  const float* cell_f;    // scalar δ, KL: [nt - 1][8] power-basis cubics per t cell (q_up, κ), float
+  const double* cell_d;   // the same in double, for float64 inputs
+  const WideCells* wide;  // CPU only (csrc/cpu/wide_cells.h): the same re-cut into 32 wide cells, or null
 };
 
 // ---- per-δ constants -------------------------------------------------------------------------------

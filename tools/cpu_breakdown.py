@@ -72,7 +72,8 @@ template <class Fn> double per_element(Fn fn, long reps) {
           V::store(out0 + i, full, q);                                                              \
           V::store(out1 + i, full, kap);                                                            \
         }));                                                                                        \
-    FastRun run{&band, &c, xs.data(), nullptr, rs.data(), nullptr, nullptr, os.data(), n, &w};      \
+    band.wide = &w;                                                                                 \
+    FastRun run{&band, &c, xs.data(), nullptr, rs.data(), nullptr, nullptr, os.data(), n};          \
     for (int clip = 0; clip < 2; ++clip)                                                            \
       for (int lg = 0; lg < 2; ++lg) {                                                              \
         run.x = lg ? ls.data() : xs.data();                                                         \

@@ -243,8 +243,8 @@ void f32_contiguous(const FastRun& run, bool log_input, bool clip, bool token) {
 #if defined(BANDPO_HAVE_KL_SIMD)
   switch (cpu_variant()) {
     case CpuVariant::kAvx512:
-      if (run.wide != nullptr && !token && run.band->divergence == Divergence::kKL) {
-        avx512::kl_scalar(run, *run.wide, log_input, clip);
+      if (run.band->wide != nullptr && !token && run.band->divergence == Divergence::kKL) {
+        avx512::kl_scalar(run, *run.band->wide, log_input, clip);
       } else {
         f32_contiguous_v4(run, log_input, clip, token);
       }
@@ -284,7 +284,7 @@ BANDPO_INLINE void store_from_float(char* base, int64_t stride, int64_t i, float
 
 template <typename scalar_t, bool CLIP>
 void run_f32_blocks(char** data, const int64_t* strides, int64_t n, const BandParams& band, const DeltaConsts<float>& c,
-                    bool per_token, const WideCells* wide) {
+                    bool per_token) {
   const int in0 = CLIP ? 1 : 2;         // first input operand
   const int ip = CLIP ? in0 + 1 : in0;  // the probability
   alignas(64) float x[kBlock], d[kBlock], r[kBlock], o0[kBlock], o1[kBlock];
@@ -305,8 +305,7 @@ void run_f32_blocks(char** data, const int64_t* strides, int64_t n, const BandPa
                       CLIP ? nullptr : o0,
                       CLIP ? nullptr : o1,
                       CLIP ? o0 : nullptr,
-                      m,
-                      wide};
+                      m};
     f32_contiguous(run, band.log_input, CLIP, per_token);
     for (int i = 0; i < m; ++i) store_from_float<scalar_t>(data[0], strides[0], start + i, o0[i]);
     if (!CLIP) {
@@ -316,7 +315,7 @@ void run_f32_blocks(char** data, const int64_t* strides, int64_t n, const BandPa
 }
 
 template <typename scalar_t, bool CLIP>
-void run_band(at::TensorIterator& iter, const BandParams& band, bool per_token, const WideCells* wide) {
+void run_band(at::TensorIterator& iter, const BandParams& band, bool per_token) {
   using acc_t = at::opmath_type<scalar_t>;
   const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(band.delta));
   const int n_out = CLIP ? 1 : 2;
@@ -335,11 +334,10 @@ void run_band(at::TensorIterator& iter, const BandParams& band, bool per_token, 
                           CLIP ? nullptr : reinterpret_cast<float*>(data[0]),
                           CLIP ? nullptr : reinterpret_cast<float*>(data[1]),
                           CLIP ? reinterpret_cast<float*>(data[0]) : nullptr,
-                          n,
-                          wide};
+                          n};
         f32_contiguous(run, band.log_input, CLIP, per_token);
       } else {
-        run_f32_blocks<scalar_t, CLIP>(data, strides, n, band, c, per_token, wide);
+        run_f32_blocks<scalar_t, CLIP>(data, strides, n, band, c, per_token);
       }
       return;
     }
@@ -374,6 +372,7 @@ BandParams params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid
     keep = cell_polys(band);
     band.cell_f = keep->f.data();
     band.cell_d = keep->d.data();
+    band.wide = keep->wide.get();
   }
   return band;
 }
@@ -390,9 +389,8 @@ std::tuple<at::Tensor, at::Tensor> bounds_cpu(const at::Tensor& prob, const c10:
     it.up.fill_(std::numeric_limits<double>::quiet_NaN());
     return {it.lo, it.up};
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::bounds", [&] {
-    run_band<scalar_t, false>(it.iter, band, d.per_token_mode(), keep ? keep->wide.get() : nullptr);
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::bounds",
+                                  [&] { run_band<scalar_t, false>(it.iter, band, d.per_token_mode()); });
   return {it.lo, it.up};
 }
 
@@ -408,9 +406,8 @@ at::Tensor clip_cpu(const at::Tensor& ratio, const at::Tensor& prob, const c10::
     it.out.fill_(std::numeric_limits<double>::quiet_NaN());
     return it.out;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::clip", [&] {
-    run_band<scalar_t, true>(it.iter, band, d.per_token_mode(), keep ? keep->wide.get() : nullptr);
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, prob.scalar_type(), "bandpo_lut::clip",
+                                  [&] { run_band<scalar_t, true>(it.iter, band, d.per_token_mode()); });
   return it.out;
 }
 

@@ -40,7 +40,6 @@ struct FastRun {
   float* up;
   float* out;  // clip only
   int64_t n;
-  const WideCells* wide = nullptr;  // scalar-δ KL: the wide cells (cpu/wide_cells.h), for the AVX-512 kernel
 };
 
 // Blocks of kBlock elements; the vectorised passes keep their temporaries on the stack.

@@ -161,6 +161,7 @@ LossParams loss_params_with_cells(const at::Tensor& table, c10::ArrayRef<double>
     keep = cell_polys(params.band);
     params.band.cell_f = keep->f.data();
     params.band.cell_d = keep->d.data();
+    params.band.wide = keep->wide.get();
   }
   return params;
 }
