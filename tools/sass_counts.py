@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""SASS instruction counts per element of the CUDA element kernels (sm_90, float32, KL), without a GPU.
+
+    python tools/sass_counts.py [--arch 90] [--keep DIR]
+
+Compiles csrc/cuda/band_cuda.cu and csrc/cuda/loss_cuda.cu (the files that hold the element kernels) to
+cubins with nvcc directly, with the flags setup.py gives the extension (-O3 -lineinfo, torch's
+COMMON_NVCC_FLAGS, C++20, torch's CUDA include paths), `-cubin` for one architecture and no linking (about a
+minute per file), disassembles them with `cuobjdump -sass` and prints, for the float32 KL instantiations:
+
+  * total: every SASS instruction of the kernel (prologue, loops, epilogue, out-of-line subroutines);
+  * loop:  the instructions of its element loop, found as the widest backward branch (`BRA` to a lower
+           address; the loop is the range from its target to the branch), minus any loop nested inside it
+           (the dense kernel's scalar remainder, fewer than 4 elements, reported as `inner`);
+  * per element: loop / the elements one iteration computes (the dense band kernel: 4 float32 per thread;
+           the loss kernels: kMaxK = 4 tokens per lane and tile, all present and weighted).
+
+This is the static count of the loop body: every instruction in it is issued once per iteration unless a
+branch skips it. Code reached by a call (the IEEE division's slow path, which nvcc places after the kernel's
+EXIT) lies outside the loop range and is not counted. Branches inside the loop whose code an in-range KL
+element skips are counted as well, so the figure is an upper bound of the instructions such an element
+issues.
+
+Needs nvcc (CUDA 12/13, $CUDA_HOME/bin or /usr/local/cuda/bin or PATH), cuobjdump (the same places, or the
+copy that ships with Triton) and a CUDA build of torch (for its headers); exits 2 naming what is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = ("band_cuda.cu", "loss_cuda.cu")
+VEC = 4  # float32 elements per dense-kernel iteration (band_cuda.cu vec_size) = loss tokens per lane (kMaxK)
+
+# (label, file, demangled-name pattern). The patterns accept the kernels with or without a trailing
+# compile-time divergence flag (`, true` = the table-reading KL path), so the same rows match the code before
+# and after that flag was introduced.
+KERNELS = (
+    ("band bounds, scalar δ (shared cells)", "band_cuda.cu", r"band_dense_kernel<float, false, 1(, true)?>"),
+    ("band bounds, per-token δ", "band_cuda.cu", r"band_dense_kernel<float, false, 0(, true)?>"),
+    ("band clip, scalar δ (shared cells)", "band_cuda.cu", r"band_dense_kernel<float, true, 1(, true)?>"),
+    ("band clip, per-token δ", "band_cuda.cu", r"band_dense_kernel<float, true, 0(, true)?>"),
+    ("loss fwd, scalar δ (shared cells)", "loss_cuda.cu", r"loss_tokens_kernel<float, 1, false(, true)?>"),
+    ("loss fwd, per-token δ", "loss_cuda.cu", r"loss_tokens_kernel<float, 0, false(, true)?>"),
+    ("loss bwd, scalar δ (shared cells)", "loss_cuda.cu", r"loss_grad_kernel<float, 1(, true)?>"),
+    ("loss bwd, per-token δ", "loss_cuda.cu", r"loss_grad_kernel<float, 0(, true)?>"),
+)
+
+
+def fail(msg: str) -> None:
+    print(f"sass_counts: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def find_tool(name: str) -> Path:
+    """A CUDA binary: $CUDA_HOME/bin, /usr/local/cuda/bin, PATH, then Triton's bundled copy (cuobjdump)."""
+    dirs = [Path(os.environ[v]) / "bin" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    dirs.append(Path("/usr/local/cuda/bin"))
+    for d in dirs:
+        if (d / name).is_file():
+            return d / name
+    found = shutil.which(name)
+    if found:
+        return Path(found)
+    try:
+        import triton
+
+        bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+        if bundled.is_file():
+            return bundled
+    except ImportError:
+        pass
+    fail(f"`{name}` not found (looked in $CUDA_HOME/bin, /usr/local/cuda/bin, PATH and Triton's bundled "
+         f"binaries); install the CUDA toolkit or set CUDA_HOME")
+    raise AssertionError  # unreachable
+
+
+def compile_flags(nvcc: Path, arch: str) -> list[str]:
+    """setup.py's nvcc flags for the extension, for one architecture, as a cubin."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        fail("torch is not importable: run this with a CUDA build of torch (e.g. /work/venv-cuda/bin/python)")
+    if torch.version.cuda is None:
+        fail(f"torch {torch.__version__} is a CPU-only build; its headers lack the CUDA parts the kernels include")
+    os.environ.setdefault("CUDA_HOME", str(nvcc.parent.parent))
+    includes = [f"-I{ROOT / 'csrc'}"] + [f"-I{p}" for p in cpp_extension.include_paths(device_type="cuda")]
+    # Headers torch's CUDA headers need but a minimal toolkit lacks (setup.py: supplementary_cuda_includes).
+    sys.path.insert(0, str(ROOT))
+    import setup as project_setup
+
+    major = project_setup.major_of(torch.version.cuda)
+    includes += [f"-I{p}" for p in project_setup.supplementary_cuda_includes(nvcc.parent.parent, major)]
+    return ["-cubin", f"-arch=sm_{arch}", "-O3", "-lineinfo", "-DBANDPO_WITH_CUDA=1", "-std=c++20",
+            "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *cpp_extension.COMMON_NVCC_FLAGS, *includes]
+
+
+def compile_cubin(nvcc: Path, flags: list[str], name: str, out_dir: Path) -> Path:
+    out = out_dir / (name + ".cubin")
+    proc = subprocess.run([str(nvcc), *flags, "-o", str(out), str(ROOT / "csrc" / "cuda" / name)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        fail(f"nvcc failed on {name}:\n{proc.stderr[-4000:]}")
+    return out
+
+
+INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
+    """Mangled kernel name -> [(address, instruction text)] from `cuobjdump -sass`."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    current = None
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            current = out.setdefault(m.group(1), [])
+            continue
+        m = INSTR.match(line)
+        if m and current is not None:
+            current.append((int(m.group(1), 16), m.group(2)))
+    return out
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    tool = shutil.which("cu++filt") or shutil.which("c++filt")
+    if not tool:
+        fail("c++filt not found (binutils): needed to demangle the kernel names")
+    text = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    clean = [re.sub(r"^void |bandpo::|\(anonymous namespace\)::", "", t).split("(", 1)[0] for t in text]
+    return dict(zip(names, clean))
+
+
+def loops(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(first, last) address of every loop: a branch back to a lower address closes one."""
+    found = []
+    for addr, text in code:
+        # `BRA 0x150`, `@!P0 BRA 0x150`, `BRA.U !UP0, 0x150`, `BRA.DIV UR4, 0x150`: the target is the last address.
+        if re.match(r"(?:@!?U?P\w+\s+)?BRA\b", text):
+            target = int(re.findall(r"0x([0-9a-f]+)", text)[-1], 16)
+            if target < addr:
+                found.append((target, addr))
+    return found
+
+
+def count(code: list[tuple[int, str]], lo: int, hi: int) -> int:
+    """Instructions in [lo, hi], NOPs (alignment padding) excluded."""
+    return sum(1 for a, t in code if lo <= a <= hi and not t.startswith("NOP"))
+
+
+def measure(code: list[tuple[int, str]]) -> tuple[int, int, int]:
+    """(total, element-loop body without nested loops, nested loops) for one kernel."""
+    total = sum(1 for _, t in code if not t.startswith("NOP"))
+    found = loops(code)
+    if not found:
+        return total, total, 0  # no loop: the whole kernel is one element's work
+    lo, hi = max(found, key=lambda r: r[1] - r[0])
+    inner = [r for r in found if lo <= r[0] and r[1] <= hi and r != (lo, hi)]
+    # Nested loops that themselves nest: count each address once.
+    nested = sorted(inner)
+    merged: list[tuple[int, int]] = []
+    for r in nested:
+        if merged and r[0] <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], r[1]))
+        else:
+            merged.append(r)
+    inner_n = sum(count(code, a, b) for a, b in merged)
+    return total, count(code, lo, hi) - inner_n, inner_n
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default="90", help="SM version to compile for (default 90: H100/H200)")
+    parser.add_argument("--keep", type=Path, help="keep the cubins and SASS listings in this folder")
+    args = parser.parse_args()
+    nvcc, cuobjdump = find_tool("nvcc"), find_tool("cuobjdump")
+    flags = compile_flags(nvcc, args.arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = args.keep or Path(tmp)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with ThreadPoolExecutor(max_workers=len(FILES)) as pool:
+            cubins = dict(zip(FILES, pool.map(lambda f: compile_cubin(nvcc, flags, f, out_dir), FILES)))
+        kernels: dict[str, dict[str, list[tuple[int, str]]]] = {}
+        for name, cubin in cubins.items():
+            proc = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                fail(f"cuobjdump -sass failed on {cubin}:\n{proc.stderr[-2000:]}")
+            if args.keep:
+                (out_dir / (name + ".sass")).write_text(proc.stdout)
+            kernels[name] = functions(proc.stdout)
+    git = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    version = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    print(f"SASS sm_{args.arch}, {nvcc} ({version[-1] if version else '?'}), tree {git.stdout.strip() or '?'}; "
+          "float32, KL; NOPs not counted")
+    print(f"| {'kernel':38s} | {'instantiation':45s} | total | loop | inner | per element |")
+    print(f"|{'-' * 40}|{'-' * 47}|------:|-----:|------:|------------:|")
+    missing = []
+    for label, file, pattern in KERNELS:
+        names = demangle(list(kernels[file]))
+        hits = [m for m, d in names.items() if re.fullmatch(pattern, d)]
+        if len(hits) != 1:
+            missing.append(f"{label}: {len(hits)} kernels match {pattern!r}")
+            continue
+        total, loop, inner = measure(kernels[file][hits[0]])
+        print(f"| {label:38s} | {names[hits[0]]:45s} | {total:5d} | {loop:4d} | {inner:5d} | {loop / VEC:11.1f} |")
+    if missing:
+        fail("; ".join(missing))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
