@@ -40,18 +40,18 @@ ROOT = Path(__file__).resolve().parents[1]
 FILES = ("band_cuda.cu", "loss_cuda.cu")
 VEC = 4  # float32 elements per dense-kernel iteration (band_cuda.cu vec_size) = loss tokens per lane (kMaxK)
 
-# (label, file, demangled-name pattern). The patterns accept the kernels with or without a trailing
-# compile-time divergence flag (`, true` = the table-reading KL path), so the same rows match the code before
-# and after that flag was introduced.
+# (label, file, demangled-name pattern). The patterns accept the kernels with or without the trailing
+# compile-time divergence path (`(DivPath)1` = kTable, the KL instantiation; band_element.h), so the same rows
+# match the code before and after that parameter was introduced.
 KERNELS = (
-    ("band bounds, scalar δ (shared cells)", "band_cuda.cu", r"band_dense_kernel<float, false, 1(, true)?>"),
-    ("band bounds, per-token δ", "band_cuda.cu", r"band_dense_kernel<float, false, 0(, true)?>"),
-    ("band clip, scalar δ (shared cells)", "band_cuda.cu", r"band_dense_kernel<float, true, 1(, true)?>"),
-    ("band clip, per-token δ", "band_cuda.cu", r"band_dense_kernel<float, true, 0(, true)?>"),
-    ("loss fwd, scalar δ (shared cells)", "loss_cuda.cu", r"loss_tokens_kernel<float, 1, false(, true)?>"),
-    ("loss fwd, per-token δ", "loss_cuda.cu", r"loss_tokens_kernel<float, 0, false(, true)?>"),
-    ("loss bwd, scalar δ (shared cells)", "loss_cuda.cu", r"loss_grad_kernel<float, 1(, true)?>"),
-    ("loss bwd, per-token δ", "loss_cuda.cu", r"loss_grad_kernel<float, 0(, true)?>"),
+    ("band bounds, scalar δ (shared cells)", "band_cuda.cu", r"band_dense_kernel<float, false, 1(, \(DivPath\)1)?>"),
+    ("band bounds, per-token δ", "band_cuda.cu", r"band_dense_kernel<float, false, 0(, \(DivPath\)1)?>"),
+    ("band clip, scalar δ (shared cells)", "band_cuda.cu", r"band_dense_kernel<float, true, 1(, \(DivPath\)1)?>"),
+    ("band clip, per-token δ", "band_cuda.cu", r"band_dense_kernel<float, true, 0(, \(DivPath\)1)?>"),
+    ("loss fwd, scalar δ (shared cells)", "loss_cuda.cu", r"loss_tokens_kernel<float, 1, false(, \(DivPath\)1)?>"),
+    ("loss fwd, per-token δ", "loss_cuda.cu", r"loss_tokens_kernel<float, 0, false(, \(DivPath\)1)?>"),
+    ("loss bwd, scalar δ (shared cells)", "loss_cuda.cu", r"loss_grad_kernel<float, 1(, \(DivPath\)1)?>"),
+    ("loss bwd, per-token δ", "loss_cuda.cu", r"loss_grad_kernel<float, 0(, \(DivPath\)1)?>"),
 )
 
 
@@ -85,6 +85,7 @@ def find_tool(name: str) -> Path:
 
 def compile_flags(nvcc: Path, arch: str) -> list[str]:
     """setup.py's nvcc flags for the extension, for one architecture, as a cubin."""
+    os.environ.setdefault("CUDA_HOME", str(nvcc.parent.parent))  # before torch reads it (its include paths)
     try:
         import torch
         from torch.utils import cpp_extension
@@ -92,7 +93,6 @@ def compile_flags(nvcc: Path, arch: str) -> list[str]:
         fail("torch is not importable: run this with a CUDA build of torch (e.g. /work/venv-cuda/bin/python)")
     if torch.version.cuda is None:
         fail(f"torch {torch.__version__} is a CPU-only build; its headers lack the CUDA parts the kernels include")
-    os.environ.setdefault("CUDA_HOME", str(nvcc.parent.parent))
     includes = [f"-I{ROOT / 'csrc'}"] + [f"-I{p}" for p in cpp_extension.include_paths(device_type="cuda")]
     # Headers torch's CUDA headers need but a minimal toolkit lacks (setup.py: supplementary_cuda_includes).
     sys.path.insert(0, str(ROOT))
@@ -138,20 +138,67 @@ def demangle(names: list[str]) -> dict[str, str]:
     if not tool:
         fail("c++filt not found (binutils): needed to demangle the kernel names")
     text = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
-    clean = [re.sub(r"^void |bandpo::|\(anonymous namespace\)::", "", t).split("(", 1)[0] for t in text]
+    clean = [drop_arguments(re.sub(r"^void |bandpo::|\(anonymous namespace\)::", "", t)) for t in text]
     return dict(zip(names, clean))
+
+
+def drop_arguments(name: str) -> str:
+    """`f<float, (DivPath)1>(BandParams, ...)` -> `f<float, (DivPath)1>`: cut at the first '(' outside <>."""
+    depth = 0
+    for i, ch in enumerate(name):
+        depth += (ch == "<") - (ch == ">")
+        if ch == "(" and depth == 0:
+            return name[:i]
+    return name
+
+
+BRANCH = re.compile(r"(?:@!?U?P\w+\s+)?BRA\b")
+
+
+def branch_target(text: str) -> int | None:
+    """Target of a branch: `BRA 0x150`, `@!P0 BRA 0x150`, `BRA.U !UP0, 0x150`, `BRA.DIV UR4, 0x150`."""
+    if not BRANCH.match(text):
+        return None
+    return int(re.findall(r"0x([0-9a-f]+)", text)[-1], 16)
 
 
 def loops(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
     """(first, last) address of every loop: a branch back to a lower address closes one."""
     found = []
     for addr, text in code:
-        # `BRA 0x150`, `@!P0 BRA 0x150`, `BRA.U !UP0, 0x150`, `BRA.DIV UR4, 0x150`: the target is the last address.
-        if re.match(r"(?:@!?U?P\w+\s+)?BRA\b", text):
-            target = int(re.findall(r"0x([0-9a-f]+)", text)[-1], 16)
-            if target < addr:
-                found.append((target, addr))
+        target = branch_target(text)
+        if target is not None and target < addr:
+            found.append((target, addr))
     return found
+
+
+def merged_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Overlapping or nested address ranges merged (each address counted once)."""
+    merged: list[tuple[int, int]] = []
+    for r in sorted(ranges):
+        if merged and r[0] <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], r[1]))
+        else:
+            merged.append(r)
+    return merged
+
+
+def longest_path(body: list[tuple[int, str]], inner: list[tuple[int, int]]) -> int:
+    """Instructions on the heaviest way once through a loop body (forward edges only: the loop's own back
+    edge and those of nested loops are cut, and nested loops' instructions weigh 0). Every instruction
+    reached counts, predicated-off ones included (they issue); code reached by CALL lies outside the body."""
+    index = {a: k for k, (a, _) in enumerate(body)}
+    best = [0] * (len(body) + 1)  # best[k]: heaviest path from instruction k to leaving the body
+    for k in range(len(body) - 1, -1, -1):
+        addr, text = body[k]
+        weight = 0 if text.startswith("NOP") or any(a <= addr <= b for a, b in inner) else 1
+        target = branch_target(text)
+        unconditional = target is not None and not text.startswith("@")
+        nexts = [] if (unconditional or text.startswith("EXIT") or text.startswith("RET")) else [k + 1]
+        if target is not None and target > addr and target in index:
+            nexts.append(index[target])  # forward branch inside the body; anything else leaves it
+        best[k] = weight + max((best[n] for n in nexts), default=0)
+    return best[0]
 
 
 def count(code: list[tuple[int, str]], lo: int, hi: int) -> int:
@@ -159,32 +206,37 @@ def count(code: list[tuple[int, str]], lo: int, hi: int) -> int:
     return sum(1 for a, t in code if lo <= a <= hi and not t.startswith("NOP"))
 
 
-def measure(code: list[tuple[int, str]]) -> tuple[int, int, int]:
-    """(total, element-loop body without nested loops, nested loops) for one kernel."""
+def measure(code: list[tuple[int, str]]) -> tuple[int, int, int, int]:
+    """(total, element-loop body without nested loops, nested loops, heaviest path once through the body)."""
     total = sum(1 for _, t in code if not t.startswith("NOP"))
     found = loops(code)
-    if not found:
-        return total, total, 0  # no loop: the whole kernel is one element's work
+    if not found:  # no loop: the whole kernel is one element's work
+        return total, total, 0, longest_path(code, [])
     lo, hi = max(found, key=lambda r: r[1] - r[0])
-    inner = [r for r in found if lo <= r[0] and r[1] <= hi and r != (lo, hi)]
-    # Nested loops that themselves nest: count each address once.
-    nested = sorted(inner)
-    merged: list[tuple[int, int]] = []
-    for r in nested:
-        if merged and r[0] <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], r[1]))
-        else:
-            merged.append(r)
-    inner_n = sum(count(code, a, b) for a, b in merged)
-    return total, count(code, lo, hi) - inner_n, inner_n
+    inner = merged_ranges([r for r in found if lo <= r[0] and r[1] <= hi and r != (lo, hi)])
+    inner_n = sum(count(code, a, b) for a, b in inner)
+    body = [(a, t) for a, t in code if lo <= a <= hi]
+    return total, count(code, lo, hi) - inner_n, inner_n, longest_path(body, inner)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="90", help="SM version to compile for (default 90: H100/H200)")
     parser.add_argument("--keep", type=Path, help="keep the cubins and SASS listings in this folder")
+    parser.add_argument("--listings", type=Path, help="count the SASS listings a --keep run left in this folder "
+                        "instead of compiling")
     args = parser.parse_args()
-    nvcc, cuobjdump = find_tool("nvcc"), find_tool("cuobjdump")
+    nvcc = find_tool("nvcc")
+    if args.listings:
+        kernels = {name: functions((args.listings / (name + ".sass")).read_text()) for name in FILES}
+    else:
+        kernels = compile_and_list(nvcc, args)
+    report(nvcc, args.arch, kernels)
+    return 0
+
+
+def compile_and_list(nvcc: Path, args) -> dict[str, dict[str, list[tuple[int, str]]]]:
+    cuobjdump = find_tool("cuobjdump")
     flags = compile_flags(nvcc, args.arch)
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = args.keep or Path(tmp)
@@ -199,12 +251,16 @@ def main() -> int:
             if args.keep:
                 (out_dir / (name + ".sass")).write_text(proc.stdout)
             kernels[name] = functions(proc.stdout)
+    return kernels
+
+
+def report(nvcc: Path, arch: str, kernels: dict[str, dict[str, list[tuple[int, str]]]]) -> None:
     git = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True)
     version = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True).stdout.strip().splitlines()
-    print(f"SASS sm_{args.arch}, {nvcc} ({version[-1] if version else '?'}), tree {git.stdout.strip() or '?'}; "
+    print(f"SASS sm_{arch}, {nvcc} ({version[-1] if version else '?'}), tree {git.stdout.strip() or '?'}; "
           "float32, KL; NOPs not counted")
-    print(f"| {'kernel':38s} | {'instantiation':45s} | total | loop | inner | per element |")
-    print(f"|{'-' * 40}|{'-' * 47}|------:|-----:|------:|------------:|")
+    print(f"| {'kernel':36s} | {'instantiation':48s} | total | loop | inner | path | loop/elem | path/elem |")
+    print(f"|{'-' * 38}|{'-' * 50}|------:|-----:|------:|-----:|----------:|----------:|")
     missing = []
     for label, file, pattern in KERNELS:
         names = demangle(list(kernels[file]))
@@ -212,11 +268,11 @@ def main() -> int:
         if len(hits) != 1:
             missing.append(f"{label}: {len(hits)} kernels match {pattern!r}")
             continue
-        total, loop, inner = measure(kernels[file][hits[0]])
-        print(f"| {label:38s} | {names[hits[0]]:45s} | {total:5d} | {loop:4d} | {inner:5d} | {loop / VEC:11.1f} |")
+        total, loop, inner, path = measure(kernels[file][hits[0]])
+        print(f"| {label:36s} | {names[hits[0]]:48s} | {total:5d} | {loop:4d} | {inner:5d} | {path:4d} "
+              f"| {loop / VEC:9.1f} | {path / VEC:9.1f} |")
     if missing:
         fail("; ".join(missing))
-    return 0
 
 
 if __name__ == "__main__":
