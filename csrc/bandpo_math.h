@@ -165,12 +165,15 @@ constexpr double kLogProbRounding = 0.001953125;  // 2^-9
 
 // p, 1 - p and t = logit(p) from either p or log p. From log p, 1 - p = -expm1(log p) keeps its relative
 // precision for p near 1, where p itself rounds to 1. Out-of-domain inputs become NaN.
-template <bool LOG, typename T>
-BANDPO_HD void prob_terms_t(T x, T& p, T& one_minus_p, T& t) {
+// exp_x: exp_any(x) where the caller has it (LOG only; the fused loss needs p = e^x itself), else computed here.
+// A log-probability read as 0 gets p = 1 = exp_any(0) exactly: the same bits either way.
+template <bool LOG, typename T, bool HAVE_EXP = false>
+BANDPO_HD void prob_terms_t(T x, T& p, T& one_minus_p, T& t, T exp_x = T(0)) {
   const T nan = T(0) / T(0);
   if (LOG) {
-    x = ((x > T(0)) & (x <= T(kLogProbRounding))) ? T(0) : x;
-    p = exp_any(x);
+    const bool rounded = (x > T(0)) & (x <= T(kLogProbRounding));
+    x = rounded ? T(0) : x;
+    p = HAVE_EXP ? (rounded ? T(1) : exp_x) : exp_any(x);
     one_minus_p = -expm1_any(x);
     t = x - log_any(one_minus_p);
     p = (x > T(0)) ? nan : p;

@@ -188,7 +188,7 @@ template <typename acc_t, bool PER_TOKEN, DivPath PATH = DivPath::kAny>
 BANDPO_HD void clip_bounds(const LossParams& params, const DeltaConsts<acc_t>& c, acc_t olp, acc_t p, acc_t dtok,
                            acc_t& lo, acc_t& up) {
   if (PATH == DivPath::kTable) {  // the band reads log-probabilities (LossParams::band.log_input is true)
-    band_element<acc_t, PER_TOKEN, DivPath::kTable, ProbInput::kLogProb>(params.band, c, olp, dtok, lo, up);
+    band_element<acc_t, PER_TOKEN, DivPath::kTable, ProbInput::kLogProbExp>(params.band, c, olp, dtok, lo, up, p);
     return;
   }
   switch (params.clip_kind) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """SASS instruction counts per element of the CUDA element kernels (sm_90, float32, KL), without a GPU.
 
-    python tools/sass_counts.py [--arch 90] [--keep DIR]
+    python tools/sass_counts.py [--arch 90] [--keep DIR | --listings DIR]
 
 Compiles csrc/cuda/band_cuda.cu and csrc/cuda/loss_cuda.cu (the files that hold the element kernels) to
 cubins with nvcc directly, with the flags setup.py gives the extension (-O3 -lineinfo, torch's
@@ -9,17 +9,20 @@ COMMON_NVCC_FLAGS, C++20, torch's CUDA include paths), `-cubin` for one architec
 minute per file), disassembles them with `cuobjdump -sass` and prints, for the float32 KL instantiations:
 
   * total: every SASS instruction of the kernel (prologue, loops, epilogue, out-of-line subroutines);
-  * loop:  the instructions of its element loop, found as the widest backward branch (`BRA` to a lower
+  * loop:  the static size of its element loop, found as the widest backward branch (`BRA` to a lower
            address; the loop is the range from its target to the branch), minus any loop nested inside it
            (the dense kernel's scalar remainder, fewer than 4 elements, reported as `inner`);
-  * per element: loop / the elements one iteration computes (the dense band kernel: 4 float32 per thread;
-           the loss kernels: kMaxK = 4 tokens per lane and tile, all present and weighted).
+  * path:  the instructions on the heaviest way once through that loop body (every branch may go either
+           way; nested loops weigh 0): an upper bound of what one iteration issues, whichever branches its
+           elements take. Code a CALL runs (the IEEE division's slow path, out-of-line tails) lies outside;
+  * no-call path: the same, avoiding the branches that lead to a CALL: an iteration whose elements need no
+           slow path and no tail (|logit p| <= t_max, the common case);
+  * /elem: each divided by the elements one iteration computes (the dense band kernel: 4 float32 per
+           thread; the loss kernels: kMaxK = 4 tokens per lane and tile, all present and weighted).
 
-This is the static count of the loop body: every instruction in it is issued once per iteration unless a
-branch skips it. Code reached by a call (the IEEE division's slow path, which nvcc places after the kernel's
-EXIT) lies outside the loop range and is not counted. Branches inside the loop whose code an in-range KL
-element skips are counted as well, so the figure is an upper bound of the instructions such an element
-issues.
+The static loop counts code that an element skips (branches on the input kind, on the divergence before
+the kernels were instantiated per divergence family, tails), so the path columns are the ones that say
+what an element costs; NOPs (alignment padding) are never counted.
 
 Needs nvcc (CUDA 12/13, $CUDA_HOME/bin or /usr/local/cuda/bin or PATH), cuobjdump (the same places, or the
 copy that ships with Triton) and a CUDA build of torch (for its headers); exits 2 naming what is missing.
@@ -183,14 +186,20 @@ def merged_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def longest_path(body: list[tuple[int, str]], inner: list[tuple[int, int]]) -> int:
+def longest_path(body: list[tuple[int, str]], inner: list[tuple[int, int]], calls: bool) -> int:
     """Instructions on the heaviest way once through a loop body (forward edges only: the loop's own back
     edge and those of nested loops are cut, and nested loops' instructions weigh 0). Every instruction
-    reached counts, predicated-off ones included (they issue); code reached by CALL lies outside the body."""
+    reached counts, predicated-off ones included (they issue); the code a CALL runs lies outside the body.
+    calls=False: the heaviest way that makes no call, i.e. avoids the branches into out-of-line slow paths
+    (the IEEE division's, the KL tails'): what an element that needs none of them issues at most."""
     index = {a: k for k, (a, _) in enumerate(body)}
+    never = -(10**9)
     best = [0] * (len(body) + 1)  # best[k]: heaviest path from instruction k to leaving the body
     for k in range(len(body) - 1, -1, -1):
         addr, text = body[k]
+        if not calls and re.match(r"(?:@!?U?P\w+\s+)?CALL\b", text):
+            best[k] = never
+            continue
         weight = 0 if text.startswith("NOP") or any(a <= addr <= b for a, b in inner) else 1
         target = branch_target(text)
         unconditional = target is not None and not text.startswith("@")
@@ -206,17 +215,19 @@ def count(code: list[tuple[int, str]], lo: int, hi: int) -> int:
     return sum(1 for a, t in code if lo <= a <= hi and not t.startswith("NOP"))
 
 
-def measure(code: list[tuple[int, str]]) -> tuple[int, int, int, int]:
-    """(total, element-loop body without nested loops, nested loops, heaviest path once through the body)."""
+def measure(code: list[tuple[int, str]]) -> tuple[int, int, int, int, int]:
+    """(total, element-loop body without nested loops, nested loops, heaviest path once through the body,
+    the same without calls)."""
     total = sum(1 for _, t in code if not t.startswith("NOP"))
     found = loops(code)
     if not found:  # no loop: the whole kernel is one element's work
-        return total, total, 0, longest_path(code, [])
+        return total, total, 0, longest_path(code, [], True), longest_path(code, [], False)
     lo, hi = max(found, key=lambda r: r[1] - r[0])
     inner = merged_ranges([r for r in found if lo <= r[0] and r[1] <= hi and r != (lo, hi)])
     inner_n = sum(count(code, a, b) for a, b in inner)
     body = [(a, t) for a, t in code if lo <= a <= hi]
-    return total, count(code, lo, hi) - inner_n, inner_n, longest_path(body, inner)
+    paths = longest_path(body, inner, True), longest_path(body, inner, False)
+    return total, count(code, lo, hi) - inner_n, inner_n, *paths
 
 
 def main() -> int:
@@ -259,8 +270,10 @@ def report(nvcc: Path, arch: str, kernels: dict[str, dict[str, list[tuple[int, s
     version = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True).stdout.strip().splitlines()
     print(f"SASS sm_{arch}, {nvcc} ({version[-1] if version else '?'}), tree {git.stdout.strip() or '?'}; "
           "float32, KL; NOPs not counted")
-    print(f"| {'kernel':36s} | {'instantiation':48s} | total | loop | inner | path | loop/elem | path/elem |")
-    print(f"|{'-' * 38}|{'-' * 50}|------:|-----:|------:|-----:|----------:|----------:|")
+    print(f"| {'kernel':36s} | {'instantiation':48s} | total | loop | inner | path | no-call path "
+          "| loop/elem | path/elem | no-call/elem |")
+    print(f"|{'-' * 38}|{'-' * 50}|------:|-----:|------:|-----:|-------------:|----------:|----------:"
+          "|-------------:|")
     missing = []
     for label, file, pattern in KERNELS:
         names = demangle(list(kernels[file]))
@@ -268,9 +281,9 @@ def report(nvcc: Path, arch: str, kernels: dict[str, dict[str, list[tuple[int, s
         if len(hits) != 1:
             missing.append(f"{label}: {len(hits)} kernels match {pattern!r}")
             continue
-        total, loop, inner, path = measure(kernels[file][hits[0]])
+        total, loop, inner, path, hot = measure(kernels[file][hits[0]])
         print(f"| {label:36s} | {names[hits[0]]:48s} | {total:5d} | {loop:4d} | {inner:5d} | {path:4d} "
-              f"| {loop / VEC:9.1f} | {path / VEC:9.1f} |")
+              f"| {hot:12d} | {loop / VEC:9.1f} | {path / VEC:9.1f} | {hot / VEC:12.1f} |")
     if missing:
         fail("; ".join(missing))
 
