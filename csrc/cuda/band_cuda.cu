@@ -1,6 +1,7 @@
 // CUDA implementations of bandpo_lut::bounds and bandpo_lut::clip.
 //
-// Two grid-stride kernels per (dtype, op, cells mode), launched as one resident wave on the current stream:
+// Two grid-stride kernels per (dtype, op, cells mode, divergence path: KL or closed form, see DivPath), launched
+// as one resident wave on the current stream:
 //  * dense operands (every one contiguous in the same order, 16-byte aligned): each thread moves kVec
 //    elements per step with vector loads and stores, 64-bit indices (no element limit);
 //  * anything else (strides, broadcasting): TensorIterator's offsets with precomputed magic-number
