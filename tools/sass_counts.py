@@ -239,6 +239,9 @@ def main() -> int:
     args = parser.parse_args()
     nvcc = find_tool("nvcc")
     if args.listings:
+        missing = [name for name in FILES if not (args.listings / (name + ".sass")).is_file()]
+        if missing:
+            fail(f"--listings {args.listings}: no {', '.join(m + '.sass' for m in missing)} (made by --keep)")
         kernels = {name: functions((args.listings / (name + ".sass")).read_text()) for name in FILES}
     else:
         kernels = compile_and_list(nvcc, args)
