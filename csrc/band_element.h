@@ -35,24 +35,41 @@ BANDPO_HD void kl_refine_tails(const TableView& tb, acc_t p, acc_t one_minus_p, 
   }
 }
 
-// KL with a scalar δ: the hot path (one log, one exp, two cubics per element). LOG: x is log p.
-template <bool LOG, typename acc_t>
+// KL with a scalar δ: the hot path (one log, one exp, two cubics per element). LOG: x is log p; HAVE_EXP: exp_x is
+// exp_any(x) (see prob_terms_t).
+template <bool LOG, typename acc_t, bool HAVE_EXP = false>
 BANDPO_HD void kl_scalar_delta_t(const BandParams& band, const acc_t* cells, const DeltaConsts<acc_t>& c, acc_t x,
-                                 acc_t& lo, acc_t& up) {
+                                 acc_t& lo, acc_t& up, acc_t exp_x = acc_t(0)) {
   acc_t p, one_minus_p, t, u;
-  prob_terms_t<LOG, acc_t>(x, p, one_minus_p, t);
+  prob_terms_t<LOG, acc_t, HAVE_EXP>(x, p, one_minus_p, t, exp_x);
   const int k = axis_cell<acc_t>(t, band.table.t_min, band.table.t_step, band.table.nt, u);
   const acc_t* a = cells + 8 * k;
   const acc_t q = a[0] + u * (a[1] + u * (a[2] + u * a[3]));
   const acc_t kappa = a[4] + u * (a[5] + u * (a[6] + u * a[7]));
+#if defined(__CUDA_ARCH__)
+  kl_finish_branched<acc_t>(p, one_minus_p, t, q, kappa, c.delta, [c] { return c; }, band.table, lo, up);
+#else
   kl_finish<acc_t>(p, one_minus_p, t, q, kappa, c, band.table, lo, up);
+#endif
   kl_refine_tails<acc_t>(band.table, p, one_minus_p, t, c, lo, up);
 }
 
-template <typename acc_t>
+// What the probability argument holds, where the caller knows it at compile time (the fused loss always passes
+// log-probabilities: its GPU kernels then carry one prob_terms, not both); kRuntime reads band.log_input.
+// kLogProbExp: log-probabilities, and the caller passes exp_any(x) too (the loss needs p itself: one exp, not two).
+enum class ProbInput : int { kRuntime = 0, kProb = 1, kLogProb = 2, kLogProbExp = 3 };
+
+template <ProbInput IN>
+BANDPO_HD bool is_log_input(const BandParams& band) {
+  return IN == ProbInput::kRuntime ? band.log_input : (IN == ProbInput::kLogProb || IN == ProbInput::kLogProbExp);
+}
+
+template <typename acc_t, ProbInput IN = ProbInput::kRuntime>
 BANDPO_HD void kl_scalar_delta(const BandParams& band, const acc_t* cells, const DeltaConsts<acc_t>& c, acc_t x,
-                               acc_t& lo, acc_t& up) {
-  if (band.log_input) {
+                               acc_t& lo, acc_t& up, acc_t exp_x = acc_t(0)) {
+  if (IN == ProbInput::kLogProbExp) {
+    kl_scalar_delta_t<true, acc_t, true>(band, cells, c, x, lo, up, exp_x);
+  } else if (is_log_input<IN>(band)) {
     kl_scalar_delta_t<true, acc_t>(band, cells, c, x, lo, up);
   } else {
     kl_scalar_delta_t<false, acc_t>(band, cells, c, x, lo, up);
@@ -60,15 +77,30 @@ BANDPO_HD void kl_scalar_delta(const BandParams& band, const acc_t* cells, const
 }
 
 // KL with a per-token δ.
-template <typename acc_t>
-BANDPO_HD void kl_token_delta(const BandParams& band, acc_t x, acc_t delta, acc_t& lo, acc_t& up) {
+template <typename acc_t, ProbInput IN = ProbInput::kRuntime>
+BANDPO_HD void kl_token_delta(const BandParams& band, acc_t x, acc_t delta, acc_t& lo, acc_t& up,
+                              acc_t exp_x = acc_t(0)) {
   acc_t p, one_minus_p, t;
-  prob_terms<acc_t>(x, band.log_input, p, one_minus_p, t);
-  const DeltaConsts<acc_t> c = delta_consts<acc_t>(delta);
+  if (IN == ProbInput::kLogProbExp) {
+    prob_terms_t<true, acc_t, true>(x, p, one_minus_p, t, exp_x);
+  } else {
+    prob_terms<acc_t>(x, is_log_input<IN>(band), p, one_minus_p, t);
+  }
   acc_t q, kappa;
   spline2d<acc_t>(band.table, t, log_any(delta), q, kappa);
+#if defined(__CUDA_ARCH__)
+  // The δ constants (an expm1 and a log) only for elements beyond the grid.
+  const auto consts = [delta] { return delta_consts<acc_t>(delta); };
+  kl_finish_branched<acc_t>(p, one_minus_p, t, q, kappa, delta, consts, band.table, lo, up);
+  if constexpr (std::is_same<acc_t, double>::value) {
+    const double tmin = band.table.t_min, tmax = band.table.t_min + (band.table.nt - 1) * band.table.t_step;
+    if ((t < tmin) | (t > tmax)) kl_refine_tails<acc_t>(band.table, p, one_minus_p, t, consts(), lo, up);
+  }
+#else
+  const DeltaConsts<acc_t> c = delta_consts<acc_t>(delta);
   kl_finish<acc_t>(p, one_minus_p, t, q, kappa, c, band.table, lo, up);
   kl_refine_tails<acc_t>(band.table, p, one_minus_p, t, c, lo, up);
+#endif
 }
 
 // Closed forms, always in double: the probability terms are recomputed in double from the input.
@@ -81,17 +113,27 @@ BANDPO_HD void closed_form(const BandParams& band, acc_t x, double delta, acc_t&
   up = static_cast<acc_t>(u);
 }
 
+// Which divergences a call can meet, where the caller knows it at compile time: the GPU kernels are
+// instantiated per family (band_cuda.cu, loss_cuda.cu), so that a KL kernel carries no float64 closed-form
+// code in its element loop (nor its registers), and a closed-form kernel no table read. kAny decides per call
+// (the CPU loops).
+enum class DivPath : int { kAny = 0, kTable = 1, kClosed = 2 };
+
+// The path for a divergence known at run time (host side: picks the kernel instantiation).
+inline DivPath div_path_of(Divergence d) { return reads_table(d) ? DivPath::kTable : DivPath::kClosed; }
+
 // Any divergence, any δ mode; applies the δ-range check (per-token δ) and the max_ratio cap.
-template <typename acc_t, bool PER_TOKEN>
+template <typename acc_t, bool PER_TOKEN, DivPath PATH = DivPath::kAny, ProbInput IN = ProbInput::kRuntime>
 BANDPO_HD void band_element(const BandParams& band, const DeltaConsts<acc_t>& c, acc_t x, acc_t delta, acc_t& lo,
-                            acc_t& up) {
+                            acc_t& up, acc_t exp_x = acc_t(0)) {  // exp_x: with ProbInput::kLogProbExp only
   const bool ok = !PER_TOKEN || delta_valid<acc_t>(band.table, delta);
   if (PER_TOKEN) delta = delta_in_range<acc_t>(band.table, delta);
-  if (reads_table(band.divergence)) {
+  const bool table = PATH == DivPath::kAny ? reads_table(band.divergence) : PATH == DivPath::kTable;
+  if (table) {
     if (PER_TOKEN) {
-      kl_token_delta<acc_t>(band, x, delta, lo, up);
+      kl_token_delta<acc_t, IN>(band, x, delta, lo, up, exp_x);
     } else {
-      kl_scalar_delta<acc_t>(band, cell_table<acc_t>(band), c, x, lo, up);
+      kl_scalar_delta<acc_t, IN>(band, cell_table<acc_t>(band), c, x, lo, up, exp_x);
     }
   } else {
     closed_form<acc_t>(band, x, PER_TOKEN ? static_cast<double>(delta) : band.delta, lo, up);

@@ -168,12 +168,15 @@ constexpr double kLogProbRounding = 0.001953125;  // 2^-9
 
 // p, 1 - p and t = logit(p) from either p or log p. From log p, 1 - p = -expm1(log p) keeps its relative
 // precision for p near 1, where p itself rounds to 1. Out-of-domain inputs become NaN.
-template <bool LOG, typename T>
-BANDPO_HD void prob_terms_t(T x, T& p, T& one_minus_p, T& t) {
+// exp_x: exp_any(x) where the caller has it (LOG only; the fused loss needs p = e^x itself), else computed here.
+// A log-probability read as 0 gets p = 1 = exp_any(0) exactly: the same bits either way.
+template <bool LOG, typename T, bool HAVE_EXP = false>
+BANDPO_HD void prob_terms_t(T x, T& p, T& one_minus_p, T& t, T exp_x = T(0)) {
   const T nan = T(0) / T(0);
   if (LOG) {
-    x = ((x > T(0)) & (x <= T(kLogProbRounding))) ? T(0) : x;
-    p = exp_any(x);
+    const bool rounded = (x > T(0)) & (x <= T(kLogProbRounding));
+    x = rounded ? T(0) : x;
+    p = HAVE_EXP ? (rounded ? T(1) : exp_x) : exp_any(x);
     one_minus_p = -expm1_any(x);
     t = x - log_any(one_minus_p);
     p = (x > T(0)) ? nan : p;
@@ -251,6 +254,61 @@ BANDPO_HD void kl_finish(T p, T one_minus_p, T t, T q_tab, T kappa, const DeltaC
   L = (t > tmax) ? kl_tail_lower_log<T>(inv_p, one_minus_p, t, c) : L;
   lo = exp_any(L);
   lo = (one_minus_p == T(0)) ? c.exp_neg : lo;
+}
+
+// A function the GPU kernels call out of line: code for rare elements, kept out of the element loop (its
+// instructions and its registers). On the host a plain inline function.
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define BANDPO_HD_COLD __host__ __device__ __noinline__
+#else
+#define BANDPO_HD_COLD inline
+#endif
+
+template <typename T>
+struct KlBounds {
+  T lo, up;
+};
+
+// The tails of kl_finish_branched, for an element beyond the grid (t < t_min or t > t_max, or t = +inf at p = 1):
+// kl_finish's tail values, by the same expressions. inv_ps = 1/(p·scale) as kl_finish computes it.
+template <typename T, typename Consts>
+BANDPO_HD_COLD KlBounds<T> kl_tails(T p, T one_minus_p, T t, T inv_ps, T tmin, KlBounds<T> b, Consts consts) {
+  const DeltaConsts<T> c = consts();
+  const T scale = sizeof(T) == 4 ? T(16777216.0) : T(1152921504606846976.0);  // as in kl_finish
+  if (t < tmin) {
+    T q_tail;
+    kl_tail_upper<T>(p, t, c, q_tail);
+    b.up = (q_tail * scale) * inv_ps;
+  } else {
+    const T inv_p = inv_ps * scale;
+    b.up = inv_p;
+    b.lo = exp_any(kl_tail_lower_log<T>(inv_p, one_minus_p, t, c));
+    b.lo = (one_minus_p == T(0)) ? c.exp_neg : b.lo;
+  }
+  return b;
+}
+
+// kl_finish with the tails behind a branch instead of computed for every element and selected: the same
+// values (the same expressions, in the same order), for the GPU, where the common element (|logit p| ≤ t_max)
+// then issues none of the tails' instructions (two divisions, their selects and, with a per-token δ, the δ
+// constants: `consts()` returns the DeltaConsts of `delta` and is called only beyond the grid), and the tails
+// run out of line (kl_tails). The CPU loops keep the branch-free kl_finish, which they vectorise. p = 1
+// exactly gives t = +inf, so the p = 1 rule (lo = e^{-δ}) lies in the t > t_max branch; NaN t takes neither.
+template <typename T, typename Consts>
+BANDPO_HD void kl_finish_branched(T p, T one_minus_p, T t, T q_tab, T kappa, T delta, const Consts& consts,
+                                  const TableView& tb, T& lo, T& up) {
+  const T tmax = T(tb.t_min + (tb.nt - 1) * tb.t_step), tmin = T(tb.t_min);
+  const T q = q_tab < p ? p : (q_tab > T(1) ? T(1) : q_tab);
+  const T scale = sizeof(T) == 4 ? T(16777216.0) : T(1152921504606846976.0);  // as in kl_finish
+  const T inv_ps = T(1) / (p * scale);
+  const T inv_p = inv_ps * scale;
+  up = (q * scale) * inv_ps;
+  lo = exp_any(-(delta * inv_p) * kappa);
+  if ((t < tmin) | (t > tmax)) {
+    const KlBounds<T> b = kl_tails<T, Consts>(p, one_minus_p, t, inv_ps, tmin, KlBounds<T>{lo, up}, consts);
+    lo = b.lo;
+    up = b.up;
+  }
 }
 
 // ---- closed forms (double) ---------------------------------------------------------------------------

@@ -182,13 +182,18 @@ struct TokenTerms {
 };
 
 // The bounds of the chosen clip at old log-probability olp, capped by max_ratio once (band_element caps
-// the band itself).
-template <typename acc_t, bool PER_TOKEN>
+// the band itself). PATH kTable: the caller knows the clip is a band that reads a table (KL); kClosed: any
+// other clip or a closed-form band; kAny: decided here (see DivPath).
+template <typename acc_t, bool PER_TOKEN, DivPath PATH = DivPath::kAny>
 BANDPO_HD void clip_bounds(const LossParams& params, const DeltaConsts<acc_t>& c, acc_t olp, acc_t p, acc_t dtok,
                            acc_t& lo, acc_t& up) {
+  if (PATH == DivPath::kTable) {  // the band reads log-probabilities (LossParams::band.log_input is true)
+    band_element<acc_t, PER_TOKEN, DivPath::kTable, ProbInput::kLogProbExp>(params.band, c, olp, dtok, lo, up, p);
+    return;
+  }
   switch (params.clip_kind) {
     case ClipKind::kBand:
-      band_element<acc_t, PER_TOKEN>(params.band, c, olp, dtok, lo, up);
+      band_element<acc_t, PER_TOKEN, PATH>(params.band, c, olp, dtok, lo, up);
       return;
     case ClipKind::kFixed:
       lo = acc_t(1) - acc_t(params.eps_low);

@@ -77,12 +77,12 @@ __device__ __forceinline__ void load_tile(const LossParams& params, const LossIn
   }
 }
 
-template <typename acc_t, bool PER_TOKEN>
+template <typename acc_t, bool PER_TOKEN, DivPath PATH>
 __device__ __forceinline__ void token_at(const LossParams& params, const DeltaConsts<acc_t>& c,
                                          const TileInputs<acc_t>& loaded, int k, TokenTerms<acc_t>& o) {
   const acc_t p = exp_any(loaded.olp[k]);
   acc_t lo, up;
-  clip_bounds<acc_t, PER_TOKEN>(params, c, loaded.olp[k], p, PER_TOKEN ? loaded.d[k] : c.delta, lo, up);
+  clip_bounds<acc_t, PER_TOKEN, PATH>(params, c, loaded.olp[k], p, PER_TOKEN ? loaded.d[k] : c.delta, lo, up);
   token_terms<acc_t>(params, loaded.lp[k], loaded.olp[k], loaded.adv[k], loaded.w[k], p, lo, up, o);
 }
 
@@ -105,18 +105,22 @@ struct CountAcc {
     for (int k = 0; k < kNumCounts; ++k) n[k] = cnt_t(0);
     kl = width = 0.0;
   }
+  // Called for tokens with w != 0 only: unless WEIGHTED, w is then 1, and is passed as the constant 1 so that
+  // each integer count folds to its condition (a predicated add; no float-to-integer conversion).
   template <typename acc_t>
   __device__ void add(const TokenTerms<acc_t>& o, acc_t w) {
     acc_t c[kNumCounts];
-    count_terms<acc_t>(o, w, c, 1);
+    count_terms<acc_t>(o, WEIGHTED ? w : acc_t(1), c, 1);
 #pragma unroll
     for (int k = 0; k < kNumCounts; ++k) {
       if (k == kPpoKlSum) {
         kl += static_cast<double>(c[k]);
       } else if (k == kBandWidthSum) {
         width += static_cast<double>(c[k]);
+      } else if (WEIGHTED) {
+        n[k] += static_cast<cnt_t>(c[k]);  // 0 or w
       } else {
-        n[k] += static_cast<cnt_t>(c[k]);  // 0 or w (0 or 1 unless WEIGHTED)
+        n[k] += (c[k] != acc_t(0)) ? 1u : 0u;  // c[k] is 0 or 1
       }
     }
   }
@@ -126,7 +130,7 @@ struct CountAcc {
 };
 
 // Pass 1. tile_sums: [per_row][rows] (Σ w·loss, Σ w) of each tile; block_counts: [gridDim.x][kNumCounts].
-template <typename scalar_t, int CELLS, bool WEIGHTED>
+template <typename scalar_t, int CELLS, bool WEIGHTED, DivPath PATH>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t, WEIGHTED>)
     loss_tokens_kernel(LossParams params, const void* cells_src, int n_cells, LossInputs<scalar_t> in, Tiles tiles,
                        double2* tile_sums, double* block_counts) {
@@ -150,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t, WEIGHTED>)
     for (int k = 0; k < kMaxK; ++k) {
       if (loaded.w[k] != acc_t(0)) {  // ignored tokens contribute nothing, whatever their inputs
         TokenTerms<acc_t> o;
-        token_at<acc_t, PER_TOKEN>(params, c, loaded, k, o);
+        token_at<acc_t, PER_TOKEN, PATH>(params, c, loaded, k, o);
         acc.add(o, loaded.w[k]);
         s += static_cast<double>(o.value);
         w_sum += static_cast<double>(loaded.w[k]);
@@ -229,7 +233,7 @@ __global__ void __launch_bounds__(kFinishThreads)
   for (int64_t b = threadIdx.x; b < rows; b += blockDim.x) row_scale_out[b] = row_scale(agg, totals, row_scale_out[b]);
 }
 
-template <typename scalar_t, int CELLS>
+template <typename scalar_t, int CELLS, DivPath PATH>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>)
     loss_grad_kernel(LossParams params, const void* cells_src, int n_cells, LossInputs<scalar_t> in, Tiles tiles,
                      const double* grad_loss, const double* row_scale, scalar_t* grad) {
@@ -255,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>)
         acc_t gi = acc_t(0);
         if (loaded.w[k] != acc_t(0)) {
           TokenTerms<acc_t> o;
-          token_at<acc_t, PER_TOKEN>(params, c, loaded, k, o);
+          token_at<acc_t, PER_TOKEN, PATH>(params, c, loaded, k, o);
           gi = gb * o.grad;
         }
         grad[base + j] = static_cast<scalar_t>(gi);
@@ -265,6 +269,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>)
 }
 
 // The cells of a launch (the band's planner, for the band of a loss that has one).
+// The kernels' divergence path: kTable for a band that reads a table (KL), kClosed for every other clip.
+DivPath loss_path(const LossParams& params) {
+  return (params.clip_kind == ClipKind::kBand && reads_table(params.band.divergence)) ? DivPath::kTable
+                                                                                      : DivPath::kClosed;
+}
+
 template <typename acc_t>
 CellsPlan plan_loss_cells(const LossParams& params, const void* kernel_shared, size_t static_bytes, int device,
                           cudaStream_t stream) {
@@ -272,10 +282,10 @@ CellsPlan plan_loss_cells(const LossParams& params, const void* kernel_shared, s
                            static_bytes, device, stream);
 }
 
-template <typename scalar_t, int CELLS, bool WEIGHTED>
+template <typename scalar_t, int CELLS, bool WEIGHTED, DivPath PATH>
 int launch_tokens(const LossParams& params, const CellsPlan& plan, const LossInputs<scalar_t>& in, const Tiles& tiles,
                   at::Tensor& tile_sums, at::Tensor& block_counts, int device, cudaStream_t stream) {
-  const auto kernel = loss_tokens_kernel<scalar_t, CELLS, WEIGHTED>;
+  const auto kernel = loss_tokens_kernel<scalar_t, CELLS, WEIGHTED, PATH>;
   const size_t smem = CELLS == kCellsShared ? plan.smem : 0;
   const int64_t needed = (tiles.count() + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int blocks =
@@ -292,10 +302,19 @@ template <typename scalar_t, int CELLS>
 int launch_tokens_mask(const LossParams& params, const CellsPlan& plan, const LossInputs<scalar_t>& in,
                        const Tiles& tiles, at::Tensor& tile_sums, at::Tensor& block_counts, int device,
                        cudaStream_t stream) {
+  // Shared cells exist for a table-read band only: no closed-form kernel is instantiated for them.
+  const bool table = CELLS == kCellsShared || loss_path(params) == DivPath::kTable;
+  constexpr DivPath kOther = CELLS == kCellsShared ? DivPath::kTable : DivPath::kClosed;
   if (params.mask_kind == MaskKind::kFloat) {
-    return launch_tokens<scalar_t, CELLS, true>(params, plan, in, tiles, tile_sums, block_counts, device, stream);
+    return table ? launch_tokens<scalar_t, CELLS, true, DivPath::kTable>(params, plan, in, tiles, tile_sums,
+                                                                         block_counts, device, stream)
+                 : launch_tokens<scalar_t, CELLS, true, kOther>(params, plan, in, tiles, tile_sums, block_counts,
+                                                                device, stream);
   }
-  return launch_tokens<scalar_t, CELLS, false>(params, plan, in, tiles, tile_sums, block_counts, device, stream);
+  return table ? launch_tokens<scalar_t, CELLS, false, DivPath::kTable>(params, plan, in, tiles, tile_sums,
+                                                                        block_counts, device, stream)
+               : launch_tokens<scalar_t, CELLS, false, kOther>(params, plan, in, tiles, tile_sums, block_counts, device,
+                                                               stream);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cuda(
@@ -329,8 +348,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cuda(
     if (tiles.count() > 0) {
       const size_t static_bytes = sizeof(double) * kWarpsPerBlock * kNumCounts;
       const void* shared_kernel = params.mask_kind == MaskKind::kFloat
-                                      ? (const void*)loss_tokens_kernel<scalar_t, kCellsShared, true>
-                                      : (const void*)loss_tokens_kernel<scalar_t, kCellsShared, false>;
+                                      ? (const void*)loss_tokens_kernel<scalar_t, kCellsShared, true, DivPath::kTable>
+                                      : (const void*)loss_tokens_kernel<scalar_t, kCellsShared, false, DivPath::kTable>;
       const CellsPlan plan = plan_loss_cells<acc_t>(params, shared_kernel, static_bytes, device, stream);
       if (plan.mode == kCellsShared) {
         blocks = launch_tokens_mask<scalar_t, kCellsShared>(params, plan, in, tiles, tile_sums, block_counts, device,
@@ -366,10 +385,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cuda(
   return {out.loss, out.metrics, out.row_scale};
 }
 
-template <typename scalar_t, int CELLS>
-void launch_grad(const LossParams& params, const CellsPlan& plan, const LossInputs<scalar_t>& in, const Tiles& tiles,
-                 const at::Tensor& g, const at::Tensor& scale, at::Tensor& grad, int device, cudaStream_t stream) {
-  const auto kernel = loss_grad_kernel<scalar_t, CELLS>;
+template <typename scalar_t, int CELLS, DivPath PATH>
+void launch_grad_path(const LossParams& params, const CellsPlan& plan, const LossInputs<scalar_t>& in,
+                      const Tiles& tiles, const at::Tensor& g, const at::Tensor& scale, at::Tensor& grad, int device,
+                      cudaStream_t stream) {
+  const auto kernel = loss_grad_kernel<scalar_t, CELLS, PATH>;
   const size_t smem = CELLS == kCellsShared ? plan.smem : 0;
   const int64_t needed = (tiles.count() + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int blocks =
@@ -377,6 +397,18 @@ void launch_grad(const LossParams& params, const CellsPlan& plan, const LossInpu
   kernel<<<blocks, kThreads, smem, stream>>>(params, plan.src, plan.n_cells, in, tiles, g.data_ptr<double>(),
                                              scale.data_ptr<double>(), grad.data_ptr<scalar_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, int CELLS>
+void launch_grad(const LossParams& params, const CellsPlan& plan, const LossInputs<scalar_t>& in, const Tiles& tiles,
+                 const at::Tensor& g, const at::Tensor& scale, at::Tensor& grad, int device, cudaStream_t stream) {
+  // Shared cells exist for a table-read band only: no closed-form kernel is instantiated for them.
+  constexpr DivPath kOther = CELLS == kCellsShared ? DivPath::kTable : DivPath::kClosed;
+  if (CELLS == kCellsShared || loss_path(params) == DivPath::kTable) {
+    launch_grad_path<scalar_t, CELLS, DivPath::kTable>(params, plan, in, tiles, g, scale, grad, device, stream);
+  } else {
+    launch_grad_path<scalar_t, CELLS, kOther>(params, plan, in, tiles, g, scale, grad, device, stream);
+  }
 }
 
 at::Tensor loss_bwd_cuda(const at::Tensor& grad_loss, const at::Tensor& row_scale, const at::Tensor& lp,
@@ -409,8 +441,8 @@ at::Tensor loss_bwd_cuda(const at::Tensor& grad_loss, const at::Tensor& row_scal
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lp.scalar_type(), "policy_loss_bwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const LossInputs<scalar_t> in = loss_inputs<scalar_t>(inputs, 0);
-    const CellsPlan plan =
-        plan_loss_cells<acc_t>(params, (const void*)loss_grad_kernel<scalar_t, kCellsShared>, 0, device, stream);
+    const CellsPlan plan = plan_loss_cells<acc_t>(
+        params, (const void*)loss_grad_kernel<scalar_t, kCellsShared, DivPath::kTable>, 0, device, stream);
     if (plan.mode == kCellsShared) {
       launch_grad<scalar_t, kCellsShared>(params, plan, in, tiles, g, scale, grad, device, stream);
     } else if (plan.mode == kCellsGlobal) {
