@@ -73,6 +73,10 @@ def test_bench_prints_one_consistent_table(tmp_path, capsys):
             ms, ratio = (float(v) for v in line[len(name):].split())
             assert ms == pytest.approx(seconds * 1e3, abs=6e-4), name
             assert ratio == pytest.approx(seconds / unit, abs=0.051), name
+    # where the figures were measured: the CPU's vector ISA and the kernel variant it dispatched
+    from bandpo_lut import _extension
+    cpu = _extension.facts()["cpu"]
+    assert f"CPU kernels: vector ISA {cpu['isa']}, variant {cpu['variant']}" in "\n".join(out)
     head = next(i for i, line in enumerate(out) if line.startswith("accuracy of bandpo_lut.bounds"))
     accuracy = [line.split() for line in out[head + 1:head + 4]]
     assert [a[0] for a in accuracy] == ["kl", "tv", "chi2"]
