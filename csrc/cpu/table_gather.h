@@ -72,26 +72,19 @@ __attribute__((target("avx2,fma"))) inline void patches_avx2(const TableView& tb
                                                              float* __restrict kap, int m) {
   const int ncol = tb.ns + 2;
   const std::int64_t plane = static_cast<std::int64_t>(tb.nt + 2) * ncol;
-  // The four cubic B-spline weights of u as one vector: w = ((c3·u + c2)·u + c1)·u + c0, lane k holding basis
-  // polynomial k (bspline_weights' coefficients), so that a weight costs three FMAs instead of scalar code.
-  const __m128 c0 = _mm_setr_ps(1.0f / 6, 4.0f / 6, 1.0f / 6, 0.0f), c1 = _mm_setr_ps(-0.5f, 0.0f, 0.5f, 0.0f);
-  const __m128 c2 = _mm_setr_ps(0.5f, -1.0f, 0.5f, 0.0f), c3 = _mm_setr_ps(-1.0f / 6, 0.5f, -0.5f, 1.0f / 6);
   for (int i = 0; i < m; ++i) {
-    const __m128 u = _mm_set1_ps(ut[i]), v = _mm_set1_ps(us[i]);
-    const __m128 wt = _mm_fmadd_ps(_mm_fmadd_ps(_mm_fmadd_ps(c3, u, c2), u, c1), u, c0);
-    const __m128 wsv = _mm_fmadd_ps(_mm_fmadd_ps(_mm_fmadd_ps(c3, v, c2), v, c1), v, c0);
+    float wt[4], ws[4];
+    bspline_weights<float>(ut[i], wt);
+    bspline_weights<float>(us[i], ws);
+    const __m128 wsv = _mm_loadu_ps(ws);
     const float* base = tb.coef + static_cast<std::int64_t>(it[i]) * ncol + js[i];
     // Σ_a wt[a]·row_a for both planes, then the dot product with the s weights.
-    const __m128 w0 = _mm_shuffle_ps(wt, wt, 0x00), w1 = _mm_shuffle_ps(wt, wt, 0x55);
-    const __m128 w2 = _mm_shuffle_ps(wt, wt, 0xAA), w3 = _mm_shuffle_ps(wt, wt, 0xFF);
-    __m128 aq = _mm_mul_ps(w0, _mm_loadu_ps(base));
-    __m128 ak = _mm_mul_ps(w0, _mm_loadu_ps(base + plane));
-    aq = _mm_fmadd_ps(w1, _mm_loadu_ps(base + ncol), aq);
-    ak = _mm_fmadd_ps(w1, _mm_loadu_ps(base + plane + ncol), ak);
-    aq = _mm_fmadd_ps(w2, _mm_loadu_ps(base + 2 * ncol), aq);
-    ak = _mm_fmadd_ps(w2, _mm_loadu_ps(base + plane + 2 * ncol), ak);
-    aq = _mm_fmadd_ps(w3, _mm_loadu_ps(base + 3 * ncol), aq);
-    ak = _mm_fmadd_ps(w3, _mm_loadu_ps(base + plane + 3 * ncol), ak);
+    __m128 aq = _mm_mul_ps(_mm_set1_ps(wt[0]), _mm_loadu_ps(base));
+    __m128 ak = _mm_mul_ps(_mm_set1_ps(wt[0]), _mm_loadu_ps(base + plane));
+    for (int a = 1; a < 4; ++a) {
+      aq = _mm_fmadd_ps(_mm_set1_ps(wt[a]), _mm_loadu_ps(base + a * ncol), aq);
+      ak = _mm_fmadd_ps(_mm_set1_ps(wt[a]), _mm_loadu_ps(base + plane + a * ncol), ak);
+    }
     aq = _mm_mul_ps(aq, wsv);
     ak = _mm_mul_ps(ak, wsv);
     const __m128 h = _mm_hadd_ps(aq, ak);  // [q01, q23, k01, k23]
