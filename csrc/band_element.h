@@ -71,14 +71,32 @@ BANDPO_HD void kl_token_delta(const BandParams& band, acc_t x, acc_t delta, acc_
   kl_refine_tails<acc_t>(band.table, p, one_minus_p, t, c, lo, up);
 }
 
-// Closed forms, always in double: the probability terms are recomputed in double from the input.
-template <typename acc_t>
-BANDPO_HD void closed_form(const BandParams& band, acc_t x, double delta, acc_t& lo, acc_t& up) {
-  double p, one_minus_p, t, l, u;
-  prob_terms<double>(static_cast<double>(x), band.log_input, p, one_minus_p, t);
-  closed_form_bounds(band.divergence, p, one_minus_p, delta, l, u);
-  lo = static_cast<acc_t>(l);
-  up = static_cast<acc_t>(u);
+// Closed forms (closed_form_bounds) in the arithmetic type, except from a float log-probability: there p = e^x
+// is not exact in float, and the lower bounds near saturation rest on p - δ(...) to its last bit, so that case
+// takes p and the bounds in double. delta_given: the per-token δ as given (before delta_in_range).
+template <typename acc_t, bool PER_TOKEN>
+BANDPO_HD void closed_form(const BandParams& band, acc_t x, acc_t delta_given, acc_t& lo, acc_t& up) {
+  if (std::is_same<acc_t, float>::value && band.log_input) {
+    double p, one_minus_p, t, l, u;
+    prob_terms<double>(static_cast<double>(x), true, p, one_minus_p, t);
+    const DeltaPair<double> d = PER_TOKEN
+                                    ? delta_pair_in_range<double>(band.table, static_cast<double>(delta_given))
+                                    : delta_pair<double>(band.delta);
+    closed_form_bounds<double>(band.divergence, p, one_minus_p, d, l, u);
+    lo = static_cast<acc_t>(l);
+    up = static_cast<acc_t>(u);
+    return;
+  }
+  acc_t p, one_minus_p;
+  if (band.log_input) {
+    acc_t t;
+    prob_terms<acc_t>(x, true, p, one_minus_p, t);
+  } else {
+    prob_and_complement<acc_t>(x, p, one_minus_p);
+  }
+  const DeltaPair<acc_t> d =
+      PER_TOKEN ? delta_pair_in_range<acc_t>(band.table, delta_given) : delta_pair<acc_t>(band.delta);
+  closed_form_bounds<acc_t>(band.divergence, p, one_minus_p, d, lo, up);
 }
 
 // Any divergence, any δ mode; applies the δ-range check (per-token δ) and the max_ratio cap.
@@ -86,6 +104,7 @@ template <typename acc_t, bool PER_TOKEN>
 BANDPO_HD void band_element(const BandParams& band, const DeltaConsts<acc_t>& c, acc_t x, acc_t delta, acc_t& lo,
                             acc_t& up) {
   const bool ok = !PER_TOKEN || delta_valid<acc_t>(band.table, delta);
+  const acc_t delta_given = delta;
   if (PER_TOKEN) delta = delta_in_range<acc_t>(band.table, delta);
   if (reads_table(band.divergence)) {
     if (PER_TOKEN) {
@@ -94,7 +113,7 @@ BANDPO_HD void band_element(const BandParams& band, const DeltaConsts<acc_t>& c,
       kl_scalar_delta<acc_t>(band, cell_table<acc_t>(band), c, x, lo, up);
     }
   } else {
-    closed_form<acc_t>(band, x, PER_TOKEN ? static_cast<double>(delta) : band.delta, lo, up);
+    closed_form<acc_t, PER_TOKEN>(band, x, delta_given, lo, up);
   }
   if (!ok) {
     lo = up = acc_t(0) / acc_t(0);

@@ -3,7 +3,7 @@
 // Conventions (see bandpo_lut/tables.py and the table header for the stored quantities):
 //   t = logit(p) and s = log(δ) are the table coordinates; the KL table stores, as uniform cubic B-spline
 //   coefficients, q_up = p·r_up and κ = -p·ln(r_lo)/δ. Closed-form divergences (tv, chi2, hellinger) are
-//   evaluated directly in double precision, which is faster than the lookup and exact to rounding.
+//   evaluated directly (float arithmetic for float inputs, see closed_form_bounds), exact to rounding.
 //   Outside |t| ≤ t_max the KL bounds come from the asymptotic forms derived in the comments below.
 #pragma once
 
@@ -250,48 +250,125 @@ BANDPO_HD void kl_finish(T p, T one_minus_p, T t, T q_tab, T kappa, const DeltaC
   lo = (one_minus_p == T(0)) ? c.exp_neg : lo;
 }
 
-// ---- closed forms (double) ---------------------------------------------------------------------------
-// Saturation is decided by the exact tests p·f(1/p) + (1-p)·f(0) ≤ δ and p·f(0) + (1-p)·f(1/(1-p)) ≤ δ,
-// written out per divergence; the lower roots are written without cancellation where possible.
-// Near saturation the lower bounds are tiny and rest on a difference of nearly equal numbers: p - δ·x with
-// p within a factor 2 of δ. Written as (p - δ) + δ·(1 - x), the first difference is exact (Sterbenz) and the
-// product enters exactly (its rounding error recovered by an FMA), so the gap has one rounding.
-BANDPO_HD double gap_p_minus_delta_times(double p, double delta, double one_minus_x) {
-  const double prod = delta * one_minus_x;
-  const double err = fma(delta, one_minus_x, -prod);  // delta·(1-x) = prod + err exactly
-  return ((p - delta) + prod) + err;
+// ---- closed forms (tv, chi2, hellinger) -----------------------------------------------------------------
+// Evaluated directly in the arithmetic type T: float for float32 p (and the 16-bit types), double for float64.
+// The CPU loop (csrc/cpu/closed_form_cpu.h) and the GPU kernels (band_element.h closed_form) share this code.
+//
+// Saturation: the exact tests p·f(1/p) + (1-p)·f(0) ≤ δ (upper) and p·f(0) + (1-p)·f(1/(1-p)) ≤ δ (lower),
+// written out per divergence. tv and chi2 take the upper one as a minimum (1 + δ/p ≥ 1/p exactly when
+// 1 - p ≤ δ; 1 + w ≥ 1/p exactly when 1 - p ≤ δp): both sides meet at the boundary, so rounding can move
+// the switch only where the two agree to rounding. The lower tests are the sign of the gap below.
+//
+// The hard case is the lower bound near saturation: a tiny r_lo resting on gap = p - δ·(1 - x) (tv: x = 0,
+// chi2: x = p, hellinger: x = δ/4) with p within a factor 2 of δ, the difference of nearly equal numbers.
+// Why float is enough there (gap_p_minus_delta_times), for a float p, which is exact:
+//  * δ enters as hi + lo (DeltaPair): a scalar δ is a double, and rounding it to float alone would move the
+//    saturation point by up to 2^-24·δ, an unbounded relative error of a gap of that size. With the pair,
+//    |δ - hi - lo| ≤ 2^-24·|lo| ≤ 2^-24·|δ - hi|, and every float p is at least |δ - hi| from δ (hi is the
+//    float nearest δ), so this residue is at most 2^-24 of |p - δ|: the pair is exact to rounding for tv.
+//  * p - hi is exact (Sterbenz: p within a factor 2 of hi), the fma adds hi·x to it exactly and rounds once,
+//    and the remaining terms lo·(x - 1) + hi·x_lo are below 2^-23·δ, so their rounding is below 2^-47·δ.
+//  So gap = (p - δ(1-x))·(1 + θ), |θ| ≤ 2·2^-24, plus at most ~2^-46·δ absolute (zero for tv and for any
+//  float δ, i.e. every per-token δ inside the range); the double version of the same code had ~2^-53·δ. The
+//  rest of each lower bound is a product of well-conditioned factors (no cancellation), a few roundings each.
+// Bounds measured against an exact-gap float64 reference over 10^6 points (tests/test_closed_forms_f32.py):
+// see that test for the ulp figures it asserts.
+//
+// Quotients by p go through 1/(p·2^k) (as in kl_finish), so that a subnormal float p, where 1/p overflows
+// although δ/p and δ(1-p)/p may not, still gives finite bounds; scaling by 2^k is exact.
+
+// δ = hi + lo, lo = 0 when δ is a T (a per-token δ inside the range, or any δ in double).
+template <typename T>
+struct DeltaPair {
+  T hi;  // δ rounded to T
+  T lo;  // δ - hi rounded to T: |δ - hi - lo| ≤ 2^-24·|lo|
+};
+
+template <typename T>
+BANDPO_HD DeltaPair<T> delta_pair(double d) {
+  const T hi = static_cast<T>(d);
+  return {hi, static_cast<T>(d - static_cast<double>(hi))};
 }
 
-BANDPO_HD void closed_form_bounds(Divergence div, double p, double one_minus_p, double delta, double& lo, double& up) {
+// A per-token δ within the range as its dtype rounds it, moved onto the range it stands for (as
+// delta_in_range, but onto the ends as double values, given as pairs: lo_end, hi_end = delta_pair(range end)).
+// For a float d and a double end e = e.hi + e.lo: d < e exactly when d < e.hi, or d == e.hi and e.lo > 0.
+template <typename T>
+BANDPO_HD DeltaPair<T> delta_pair_in_range(const DeltaPair<T>& lo_end, const DeltaPair<T>& hi_end, T d) {
+  const bool below = (d < lo_end.hi) | ((d == lo_end.hi) & (lo_end.lo > T(0)));
+  const bool above = (d > hi_end.hi) | ((d == hi_end.hi) & (hi_end.lo < T(0)));
+  DeltaPair<T> r;
+  r.hi = below ? lo_end.hi : (above ? hi_end.hi : d);
+  r.lo = below ? lo_end.lo : (above ? hi_end.lo : T(0));
+  return r;
+}
+
+template <typename T>
+BANDPO_HD DeltaPair<T> delta_pair_in_range(const TableView& tb, T d) {
+  return delta_pair_in_range<T>(delta_pair<T>(tb.delta_min), delta_pair<T>(tb.delta_max), d);
+}
+
+BANDPO_HD float fma_any(float a, float b, float c) { return fmaf(a, b, c); }
+BANDPO_HD double fma_any(double a, double b, double c) { return fma(a, b, c); }
+BANDPO_HD float sqrt_any(float x) { return sqrtf(x); }
+BANDPO_HD double sqrt_any(double x) { return sqrt(x); }
+
+// p and 1 - p from a probability (not its log), with prob_terms_t's domain rule; the closed forms need no t.
+template <typename T>
+BANDPO_HD void prob_and_complement(T x, T& p, T& one_minus_p) {
+  const T nan = T(0) / T(0);
+  p = ((x < T(0)) | (x > T(1))) ? nan : x;
+  one_minus_p = (p != p) ? nan : T(1) - x;
+}
+
+// p - δ·(1 - x) for δ = d.hi + d.lo and x = x_hi + x_lo (see above for why it is exact to rounding where it
+// is small): one rounding of (p - d.hi) + d.hi·x_hi, then the small terms.
+template <typename T>
+BANDPO_HD T gap_p_minus_delta_times(T p, const DeltaPair<T>& d, T x_hi, T x_lo) {
+  return fma_any(d.hi, x_hi, p - d.hi) + (d.lo * (x_hi - T(1)) + d.hi * x_lo);
+}
+
+template <typename T>
+BANDPO_HD void closed_form_bounds(Divergence div, T p, T one_minus_p, const DeltaPair<T>& d, T& lo, T& up) {
+  const T scale = sizeof(T) == 4 ? T(16777216.0) : T(1152921504606846976.0);  // 2^24, 2^60
+  const T root_scale = sizeof(T) == 4 ? T(4096.0) : T(1073741824.0);         // √scale
+  const T inv_ps = T(1) / (p * scale);
+  const T inv_p = inv_ps * scale;
   switch (div) {
     case Divergence::kTV: {  // r = 1 ± δ/p
-      up = (one_minus_p <= delta) ? 1.0 / p : 1.0 + delta / p;
-      lo = (p <= delta) ? 0.0 : (p - delta) / p;
+      const T gap = gap_p_minus_delta_times<T>(p, d, T(0), T(0));  // p - δ
+      const T up_open = T(1) + (d.hi * scale) * inv_ps;
+      up = up_open < inv_p ? up_open : inv_p;
+      lo = (gap <= T(0)) ? T(0) : gap / p;
       break;
     }
-    case Divergence::kChi2: {  // r = 1 ± sqrt(δ(1-p)/p)
-      const double w = sqrt(delta * one_minus_p / p);
-      const double gap = gap_p_minus_delta_times(p, delta, p);  // p - δ(1-p)
-      up = (one_minus_p <= delta * p) ? 1.0 / p : 1.0 + w;
-      lo = (gap <= 0.0) ? 0.0 : gap / (p * (1.0 + w));
+    case Divergence::kChi2: {  // r = 1 ± w, w = sqrt(δ(1-p)/p); 1 - w = (p - δ(1-p))/(p·(1 + w))
+      const T w = sqrt_any((d.hi * one_minus_p) * inv_ps) * root_scale;
+      const T gap = gap_p_minus_delta_times<T>(p, d, p, T(0));  // p - δ(1-p)
+      const T up_open = T(1) + w;
+      up = up_open < inv_p ? up_open : inv_p;
+      lo = (gap <= T(0)) ? T(0) : gap / (p * up_open);
       break;
     }
-    case Divergence::kHellinger: {  // √q = √p·cos α ± √(1-p)·sin α, cos α = 1 - δ/2
-      // a - b is written as (p - sin²α)/(a + b) (a² - b² = p - sin²α): no cancellation near saturation.
-      const double ca = 1.0 - 0.5 * delta, s2 = delta * (1.0 - 0.25 * delta);
-      const double a = sqrt(p) * ca, b = sqrt(one_minus_p * s2);
-      const double gap = gap_p_minus_delta_times(p, delta, 0.25 * delta);  // p - sin²α = p - δ(1 - δ/4)
-      const double a_minus_b = gap / (a + b);
-      up = (sqrt(p) >= ca) ? 1.0 / p : (a + b) * (a + b) / p;
-      lo = (gap <= 0.0) ? 0.0 : a_minus_b * a_minus_b / p;
+    case Divergence::kHellinger: {
+      // √(p·r) = √p·cos α ± √(1-p)·sin α with cos α = 1 - δ/2, sin²α = δ(1 - δ/4). Divided by √p: √r = cos α ± v,
+      // v = sqrt(sin²α·(1-p)/p); cos²α - v² = (p - sin²α)/p, so √r_lo = gap/(p·(cos α + v)): no cancellation.
+      // The upper bound saturates (1/p) once √p ≥ cos α.
+      const T ca = T(1) - T(0.5) * d.hi, s2 = d.hi * (T(1) - T(0.25) * d.hi);
+      const T v = sqrt_any((s2 * one_minus_p) * inv_ps) * root_scale;
+      const T gap = gap_p_minus_delta_times<T>(p, d, T(0.25) * d.hi, T(0.25) * d.lo);  // p - δ(1 - δ/4)
+      const T c = ca + v;
+      const T root_lo = gap / (p * c);
+      up = (p >= ca * ca) ? inv_p : c * c;
+      lo = (gap <= T(0)) ? T(0) : root_lo * root_lo;
       break;
     }
     case Divergence::kKL:  // no closed form (read from the table): never called for it
-      lo = up = 0.0 / 0.0;
+      lo = up = T(0) / T(0);
       return;
   }
-  if (one_minus_p == 0.0) up = 1.0;  // p = 1 exactly
-  if (p == 0.0) lo = 0.0;
+  up = (one_minus_p == T(0)) ? T(1) : up;  // p = 1 exactly
+  lo = (p == T(0)) ? T(0) : lo;
 }
 
 // ---- clamp with torch.clamp's NaN semantics ---------------------------------------------------------
