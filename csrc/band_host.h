@@ -116,6 +116,9 @@ inline BandParams make_params(const at::Tensor& table, c10::ArrayRef<double> gri
   band.delta_js = band.table.ns > 0 ? delta_weights(band.table, delta, band.delta_ws) : 0;
   band.cell_f = nullptr;
   band.cell_d = nullptr;
+  band.closed_f[0] = closed_delta<float>(band.divergence, delta);
+  band.closed_f[1] = closed_delta<float>(band.divergence, band.table.delta_min);
+  band.closed_f[2] = closed_delta<float>(band.divergence, band.table.delta_max);
   return band;
 }
 

@@ -32,15 +32,14 @@ BANDPO_INLINE void run_from_p(const FastRun& run) {
   const BandParams& band = *run.band;
   const float cap = static_cast<float>(band.max_ratio);
   const TableView tb = band.table;
-  const DeltaPair<float> d0 = delta_pair<float>(band.delta);
-  const DeltaPair<float> lo_end = delta_pair<float>(tb.delta_min), hi_end = delta_pair<float>(tb.delta_max);
+  const ClosedDelta<float> d0 = band.closed_f[0], lo_end = band.closed_f[1], hi_end = band.closed_f[2];
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float* __restrict x = run.x;
   const float* __restrict dl = run.delta;
   for (int64_t i = 0; i < run.n; ++i) {
     float p, one_minus_p, l, u;
     prob_and_complement<float>(x[i], p, one_minus_p);
-    const DeltaPair<float> d = PER_TOKEN ? delta_pair_in_range<float>(lo_end, hi_end, dl[i]) : d0;
+    const ClosedDelta<float> d = PER_TOKEN ? closed_delta_in_range<float>(lo_end, hi_end, dl[i]) : d0;
     closed_form_bounds<float>(DIV, p, one_minus_p, d, l, u);
     if (PER_TOKEN) {
       const bool ok = delta_valid<float>(tb, dl[i]);
@@ -57,13 +56,13 @@ BANDPO_INLINE void run_from_log_p(const FastRun& run) {
   const BandParams& band = *run.band;
   const float cap = static_cast<float>(band.max_ratio);
   const TableView tb = band.table;
-  const DeltaPair<double> d0 = delta_pair<double>(band.delta);
+  const ClosedDelta<double> d0 = closed_delta<double>(DIV, band.delta);
   const float* __restrict x = run.x;
   const float* __restrict dl = run.delta;
   for (int64_t i = 0; i < run.n; ++i) {
     double p, one_minus_p, t, l, u;
     prob_terms_t<true, double>(static_cast<double>(x[i]), p, one_minus_p, t);
-    const DeltaPair<double> d = PER_TOKEN ? delta_pair_in_range<double>(tb, static_cast<double>(dl[i])) : d0;
+    const ClosedDelta<double> d = PER_TOKEN ? closed_delta_in_range<double>(DIV, tb, static_cast<double>(dl[i])) : d0;
     closed_form_bounds<double>(DIV, p, one_minus_p, d, l, u);
     if (PER_TOKEN) {
       const bool ok = delta_valid<float>(tb, dl[i]);
