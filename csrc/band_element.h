@@ -103,12 +103,39 @@ BANDPO_HD void kl_token_delta(const BandParams& band, acc_t x, acc_t delta, acc_
 #endif
 }
 
-// Closed forms, always in double: the probability terms are recomputed in double from the input.
-template <typename acc_t>
-BANDPO_HD void closed_form(const BandParams& band, acc_t x, double delta, acc_t& lo, acc_t& up) {
-  double p, one_minus_p, t, l, u;
+// Closed forms (closed_form_bounds) in the arithmetic type, except from a float log-probability: there p = e^x
+// is not exact in float, and the lower bounds near saturation rest on p - δ(...) to its last bit, so that case
+// takes p and the bounds in double. delta_given: the per-token δ as given (before delta_in_range).
+template <typename acc_t, bool PER_TOKEN>
+BANDPO_HD void closed_form(const BandParams& band, acc_t x, acc_t delta_given, acc_t& lo, acc_t& up) {
+  if (std::is_same<acc_t, float>::value) {
+    if (band.log_input) {
+      double p, one_minus_p, t, l, u;
+      prob_terms<double>(static_cast<double>(x), true, p, one_minus_p, t);
+      const ClosedDelta<double> d =
+          PER_TOKEN ? closed_delta_in_range<double>(band.divergence, band.table, static_cast<double>(delta_given))
+                    : closed_delta<double>(band.divergence, band.delta);
+      closed_form_bounds<double>(band.divergence, p, one_minus_p, d, l, u);
+      lo = static_cast<acc_t>(l);
+      up = static_cast<acc_t>(u);
+    } else {
+      float p, one_minus_p, l, u;
+      prob_and_complement<float>(static_cast<float>(x), p, one_minus_p);
+      const ClosedDelta<float> d =
+          PER_TOKEN ? closed_delta_in_range<float>(band.closed_f[1], band.closed_f[2], static_cast<float>(delta_given))
+                    : band.closed_f[0];
+      closed_form_bounds<float>(band.divergence, p, one_minus_p, d, l, u);
+      lo = static_cast<acc_t>(l);
+      up = static_cast<acc_t>(u);
+    }
+    return;
+  }
+  double p, one_minus_p, t, l, u;  // acc_t is double
   prob_terms<double>(static_cast<double>(x), band.log_input, p, one_minus_p, t);
-  closed_form_bounds(band.divergence, p, one_minus_p, delta, l, u);
+  const ClosedDelta<double> d =
+      PER_TOKEN ? closed_delta_in_range<double>(band.divergence, band.table, static_cast<double>(delta_given))
+                : closed_delta<double>(band.divergence, band.delta);
+  closed_form_bounds<double>(band.divergence, p, one_minus_p, d, l, u);
   lo = static_cast<acc_t>(l);
   up = static_cast<acc_t>(u);
 }
@@ -127,6 +154,7 @@ template <typename acc_t, bool PER_TOKEN, DivPath PATH = DivPath::kAny, ProbInpu
 BANDPO_HD void band_element(const BandParams& band, const DeltaConsts<acc_t>& c, acc_t x, acc_t delta, acc_t& lo,
                             acc_t& up, acc_t exp_x = acc_t(0)) {  // exp_x: with ProbInput::kLogProbExp only
   const bool ok = !PER_TOKEN || delta_valid<acc_t>(band.table, delta);
+  const acc_t delta_given = delta;
   if (PER_TOKEN) delta = delta_in_range<acc_t>(band.table, delta);
   const bool table = PATH == DivPath::kAny ? reads_table(band.divergence) : PATH == DivPath::kTable;
   if (table) {
@@ -136,7 +164,7 @@ BANDPO_HD void band_element(const BandParams& band, const DeltaConsts<acc_t>& c,
       kl_scalar_delta<acc_t, IN>(band, cell_table<acc_t>(band), c, x, lo, up, exp_x);
     }
   } else {
-    closed_form<acc_t>(band, x, PER_TOKEN ? static_cast<double>(delta) : band.delta, lo, up);
+    closed_form<acc_t, PER_TOKEN>(band, x, delta_given, lo, up);
   }
   if (!ok) {
     lo = up = acc_t(0) / acc_t(0);

@@ -16,7 +16,7 @@ enum class Divergence : int { kKL = 0, kTV = 1, kChi2 = 2, kHellinger = 3 };
 
 // What the kernels need to know of a divergence.
 //   name         the registry name (bandpo_lut.divergences)
-//   closed_form  bounds from a closed form in double precision (csrc/bandpo_math.h closed_form_bounds);
+//   closed_form  bounds from a closed form, exact to rounding (csrc/bandpo_math.h closed_form_bounds);
 //                otherwise read from the table (q_up and κ = -p·ln(r_lo)/δ, see bandpo_math.h)
 template <Divergence D>
 struct DivergenceTraits;

@@ -23,6 +23,7 @@
 #include "cpu/band_cpu.h"
 #include "cpu/cpu_variant.h"
 #include "cpu/kl_simd.h"
+#include "cpu/closed_form_cpu.h"
 #include "cpu/table_gather.h"
 
 namespace bandpo {
@@ -58,7 +59,7 @@ std::shared_ptr<const CellPolys> cell_polys(const BandParams& band) {
 //   1. p, 1 - p, t = logit p, and per-token δ terms  (vector)
 //   2. cell lookup and the cubics                     (scalar: the gathers)
 //   3. tails, the exp of the lower bound, cap, clamp  (vector)
-// Closed forms need no table and run in one double-precision vector pass.
+// Closed forms need no table and run in one vector pass of their own (cpu/closed_form_cpu.h).
 namespace {
 
 template <bool CLIP>
@@ -134,28 +135,6 @@ BANDPO_INLINE void kl_f32_run(const FastRun& run) {
         store<CLIP>(run, start + i, l, u, cap);
       }
     }
-  }
-}
-
-template <Divergence DIV, bool LOG, bool CLIP, bool PER_TOKEN>
-BANDPO_INLINE void closed_f32_run(const FastRun& run) {
-  const BandParams& band = *run.band;
-  const float cap = static_cast<float>(band.max_ratio);
-  const TableView tb = band.table;
-  const double d0 = band.delta;
-  const float* __restrict x = run.x;
-  const float* __restrict dl = run.delta;
-  for (int64_t i = 0; i < run.n; ++i) {
-    double p, one_minus_p, t, l, u;
-    prob_terms_t<LOG, double>(static_cast<double>(x[i]), p, one_minus_p, t);
-    const double d = PER_TOKEN ? delta_in_range<double>(tb, static_cast<double>(dl[i])) : d0;
-    closed_form_bounds(DIV, p, one_minus_p, d, l, u);
-    if (PER_TOKEN) {
-      const bool ok = delta_valid<float>(tb, dl[i]);
-      l = ok ? l : std::numeric_limits<double>::quiet_NaN();
-      u = ok ? u : std::numeric_limits<double>::quiet_NaN();
-    }
-    store<CLIP>(run, i, static_cast<float>(l), static_cast<float>(u), cap);
   }
 }
 

@@ -11,13 +11,11 @@
 // staged in shared memory by the common prologue (kernel_common.cuh): all its reads are LDS.128 (sm_90 SASS).
 // Both kernels compute every element with the same code (band_value), so a layout never changes a bit.
 //
-// tv, chi2 and hellinger stay in float64 (band_element.h's closed_form) on the GPU too. Their lower bounds
-// cancel near saturation (tv: p - δ, chi2: p - δ(1-p), hellinger: (√p·cos α - √(1-p)·sin α)²), so float32
-// arithmetic loses all relative precision there (with δ itself rounded to float32, the relative error of r_lo
-// grows like 6e-8·δ/(p - δ)), where float64 keeps ~1e-16·δ/(p - δ), below float32's rounding of the result
-// for p - δ > 1e-8·δ. On the datacenter GPUs this build targets (H100/H200: FP64 at half the FP32 rate) the
-// ~40 float64 operations per element still run under memory speed; tools/gpu_check.py times them against a
-// copy. Consumer GPUs (FP64 at 1/64) are compute-bound here, a known cost, not a correctness issue.
+// tv, chi2 and hellinger (band_element.h closed_form) run in float32 for float32/16-bit p: their lower bounds
+// cancel near saturation (tv: p - δ, chi2: p - δ(1-p), hellinger: p - δ(1 - δ/4)), and closed_gap
+// (bandpo_math.h) takes that difference exactly to rounding in float (an fma, or the saturation point as a float
+// pair for a δ that is no float). From log p they stay in float64: p = e^x is not exact in float (the fused
+// loss always takes this path).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
