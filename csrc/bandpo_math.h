@@ -322,206 +322,196 @@ BANDPO_HD void kl_finish_branched(T p, T one_minus_p, T t, T q_tab, T kappa, T d
   }
 }
 
-// ---- closed forms (double) ---------------------------------------------------------------------------
-// Saturation is decided by the exact tests p·f(1/p) + (1-p)·f(0) ≤ δ and p·f(0) + (1-p)·f(1/(1-p)) ≤ δ,
-// written out per divergence; the lower roots are written without cancellation where possible.
-// Near saturation the lower bounds are tiny and rest on a difference of nearly equal numbers: p - δ·x with
-// p within a factor 2 of δ. Written as (p - δ) + δ·(1 - x), the first difference is exact (Sterbenz) and the
-// product enters exactly (its rounding error recovered by an FMA), so the gap has one rounding.
-BANDPO_HD double gap_p_minus_delta_times(double p, double delta, double one_minus_x) {
-  const double prod = delta * one_minus_x;
-  const double err = fma(delta, one_minus_x, -prod);  // delta·(1-x) = prod + err exactly
-  return ((p - delta) + prod) + err;
-  // ---- closed forms (tv, chi2, hellinger) -----------------------------------------------------------------
-  // Evaluated directly in the arithmetic type T: float for float32 p (and the 16-bit types), double for float64.
-  // The CPU loop (csrc/cpu/closed_form_cpu.h) and the GPU kernels (band_element.h closed_form) share this code.
-  //
-  // Saturation: the exact tests p·f(1/p) + (1-p)·f(0) ≤ δ (upper) and p·f(0) + (1-p)·f(1/(1-p)) ≤ δ (lower),
-  // written out per divergence. tv and chi2 take the upper one as a minimum (1 + δ/p ≥ 1/p exactly when
-  // 1 - p ≤ δ; 1 + w ≥ 1/p exactly when 1 - p ≤ δp): both sides meet at the boundary, so rounding can move
-  // the switch only where the two agree to rounding. The lower test is the sign of the gap below.
-  //
-  // The hard case is the lower bound near saturation: a tiny r_lo resting on the gap g = p - δ·(1 - x) = a·(p - p*)
-  // (tv: x = 0, a = 1, p* = δ; chi2: x = p, a = 1 + δ, p* = δ/(1+δ); hellinger: x = δ/4, a = 1, p* = δ(1 - δ/4)),
-  // the difference of nearly equal numbers. Why float arithmetic gives g to rounding (closed_gap), p being exact:
-  //  * δ a float (every per-token δ inside the range, or a scalar δ that is one): g = fma(δ, x, p - δ), where
-  //    p - δ is exact (Sterbenz: near saturation p is within a factor 2 of δ) and the fma adds δ·x exactly
-  //    before its one rounding.
-  //  * δ not a float (a double scalar δ such as 0.05, or a per-token δ moved onto a range end): the saturation
-  //    point p* is computed once in double-double (saturation_point) and rounded to a float pair hi + lo, with
-  //    |p* - hi - lo| ≤ 2^-24·|lo| ≤ 2^-24·|p* - hi|. Every float p is at least |p* - hi| from p* (hi is the
-  //    float nearest p*), so that residue is at most 2^-24·|p - p*|; p - hi is exact (Sterbenz), and
-  //    g = a·((p - hi) - lo) has three roundings in all: relative error ≤ ~4·2^-24 however small g is. (With δ
-  //    rounded to float instead, the saturation point would move by up to 2^-24·δ, an unbounded relative error
-  //    for gaps of that size.)
-  // The rest of each lower bound is a product and quotient of well-conditioned factors (no cancellation), and
-  // the upper bounds have no cancellation; tests/test_closed_forms_f32.py asserts the resulting ulp bounds
-  // against an exact-gap float64 reference (itself checked against mpmath).
-  //
-  // Quotients by p are taken of p·2^k (as in kl_finish), so that a subnormal float p, where 1/p overflows
-  // although δ/p and δ(1-p)/p may not, still gives finite bounds; scaling by 2^k is exact. The square roots'
-  // arguments are true quotients (one rounding fewer than a product with 1/p): chi2's and hellinger's lower
-  // bounds carry their error, hellinger's squared.
+// ---- closed forms (tv, chi2, hellinger) -----------------------------------------------------------------
+// Evaluated directly in the arithmetic type T: float for float32 p (and the 16-bit types), double for float64.
+// The CPU loop (csrc/cpu/closed_form_cpu.h) and the GPU kernels (band_element.h closed_form) share this code.
+//
+// Saturation: the exact tests p·f(1/p) + (1-p)·f(0) ≤ δ (upper) and p·f(0) + (1-p)·f(1/(1-p)) ≤ δ (lower),
+// written out per divergence. tv and chi2 take the upper one as a minimum (1 + δ/p ≥ 1/p exactly when
+// 1 - p ≤ δ; 1 + w ≥ 1/p exactly when 1 - p ≤ δp): both sides meet at the boundary, so rounding can move
+// the switch only where the two agree to rounding. The lower test is the sign of the gap below.
+//
+// The hard case is the lower bound near saturation: a tiny r_lo resting on the gap g = p - δ·(1 - x) = a·(p - p*)
+// (tv: x = 0, a = 1, p* = δ; chi2: x = p, a = 1 + δ, p* = δ/(1+δ); hellinger: x = δ/4, a = 1, p* = δ(1 - δ/4)),
+// the difference of nearly equal numbers. Why float arithmetic gives g to rounding (closed_gap), p being exact:
+//  * δ a float (every per-token δ inside the range, or a scalar δ that is one): g = fma(δ, x, p - δ), where
+//    p - δ is exact (Sterbenz: near saturation p is within a factor 2 of δ) and the fma adds δ·x exactly
+//    before its one rounding.
+//  * δ not a float (a double scalar δ such as 0.05, or a per-token δ moved onto a range end): the saturation
+//    point p* is computed once in double-double (saturation_point) and rounded to a float pair hi + lo, with
+//    |p* - hi - lo| ≤ 2^-24·|lo| ≤ 2^-24·|p* - hi|. Every float p is at least |p* - hi| from p* (hi is the
+//    float nearest p*), so that residue is at most 2^-24·|p - p*|; p - hi is exact (Sterbenz), and
+//    g = a·((p - hi) - lo) has three roundings in all: relative error ≤ ~4·2^-24 however small g is. (With δ
+//    rounded to float instead, the saturation point would move by up to 2^-24·δ, an unbounded relative error
+//    for gaps of that size.)
+// The rest of each lower bound is a product and quotient of well-conditioned factors (no cancellation), and
+// the upper bounds have no cancellation; tests/test_closed_forms_f32.py asserts the resulting ulp bounds
+// against an exact-gap float64 reference (itself checked against mpmath).
+//
+// Quotients by p are taken of p·2^k (as in kl_finish), so that a subnormal float p, where 1/p overflows
+// although δ/p and δ(1-p)/p may not, still gives finite bounds; scaling by 2^k is exact. The square roots'
+// arguments are true quotients (one rounding fewer than a product with 1/p): chi2's and hellinger's lower
+// bounds carry their error, hellinger's squared.
 
-  BANDPO_HD float fma_any(float a, float b, float c) { return fmaf(a, b, c); }
-  BANDPO_HD double fma_any(double a, double b, double c) { return fma(a, b, c); }
-  BANDPO_HD float sqrt_any(float x) { return sqrtf(x); }
-  BANDPO_HD double sqrt_any(double x) { return sqrt(x); }
+BANDPO_HD float fma_any(float a, float b, float c) { return fmaf(a, b, c); }
+BANDPO_HD double fma_any(double a, double b, double c) { return fma(a, b, c); }
+BANDPO_HD float sqrt_any(float x) { return sqrtf(x); }
+BANDPO_HD double sqrt_any(double x) { return sqrt(x); }
 
-  // p* = s + e in double-double (for δ in (0, 1], the closed forms' range), then rounded to a pair of T.
-  template <typename T>
-  BANDPO_HD void saturation_point(Divergence div, double d, T& hi, T& lo) {
-    double s = d, e = 0.0;
-    switch (div) {
-      case Divergence::kChi2: {  // δ/(1+δ): 1 + δ = a + a_lo exactly (Fast2Sum, δ ≤ 1); the quotient's remainder
-        const double a = 1.0 + d, a_lo = (1.0 - a) + d;  // δ - s·a is exact by fma
-        s = d / a;
-        e = (fma(-s, a, d) - s * a_lo) / a;
-        break;
-      }
-      case Divergence::kHellinger: {  // δ - δ²/4: δ²/4 = q + q_lo exactly (fma), δ - q by Fast2Sum (δ ≥ q)
-        const double q = d * (0.25 * d), q_lo = fma(d, 0.25 * d, -q);
-        s = d - q;
-        e = ((d - s) - q) - q_lo;
-        break;
-      }
-      case Divergence::kTV:
-      case Divergence::kKL:
-        break;
+// p* = s + e in double-double (for δ in (0, 1], the closed forms' range), then rounded to a pair of T.
+template <typename T>
+BANDPO_HD void saturation_point(Divergence div, double d, T& hi, T& lo) {
+  double s = d, e = 0.0;
+  switch (div) {
+    case Divergence::kChi2: {  // δ/(1+δ): 1 + δ = a + a_lo exactly (Fast2Sum, δ ≤ 1); the quotient's remainder
+      const double a = 1.0 + d, a_lo = (1.0 - a) + d;  // δ - s·a is exact by fma
+      s = d / a;
+      e = (fma(-s, a, d) - s * a_lo) / a;
+      break;
     }
-    hi = static_cast<T>(s);
-    lo = static_cast<T>((s - static_cast<double>(hi)) + e);
-  }
-
-  // In double, δ is exact (lo = 0) and p* is never read.
-  template <typename T>
-  BANDPO_HD ClosedDelta<T> closed_delta(Divergence div, double d) {
-    ClosedDelta<T> c;
-    c.hi = static_cast<T>(d);
-    c.lo = static_cast<T>(d - static_cast<double>(c.hi));
-    c.sat_hi = c.hi;
-    c.sat_lo = T(0);
-    if (sizeof(T) < sizeof(double)) saturation_point<T>(div, d, c.sat_hi, c.sat_lo);
-    return c;
-  }
-
-  // A per-token δ within the range as its dtype rounds it, moved onto the range it stands for (as
-  // delta_in_range, but onto the ends as double values: lo_end, hi_end = closed_delta(range end)).
-  // For a T d and a double end e = e.hi + e.lo: d < e exactly when d < e.hi, or d == e.hi and e.lo > 0.
-  template <typename T>
-  BANDPO_HD ClosedDelta<T> closed_delta_in_range(const ClosedDelta<T>& lo_end, const ClosedDelta<T>& hi_end, T d) {
-    const bool below = (d < lo_end.hi) | ((d == lo_end.hi) & (lo_end.lo > T(0)));
-    const bool above = (d > hi_end.hi) | ((d == hi_end.hi) & (hi_end.lo < T(0)));
-    ClosedDelta<T> r;
-    r.hi = below ? lo_end.hi : (above ? hi_end.hi : d);
-    r.lo = below ? lo_end.lo : (above ? hi_end.lo : T(0));
-    r.sat_hi = below ? lo_end.sat_hi : hi_end.sat_hi;  // read only when lo != 0, i.e. only when moved onto an end
-    r.sat_lo = below ? lo_end.sat_lo : hi_end.sat_lo;
-    return r;
-  }
-
-  template <typename T>
-  BANDPO_HD ClosedDelta<T> closed_delta_in_range(Divergence div, const TableView& tb, T d) {
-    return closed_delta_in_range<T>(closed_delta<T>(div, tb.delta_min), closed_delta<T>(div, tb.delta_max), d);
-  }
-
-  // p and 1 - p from a probability (not its log), with prob_terms_t's domain rule; the closed forms need no t.
-  template <typename T>
-  BANDPO_HD void prob_and_complement(T x, T & p, T & one_minus_p) {
-    const T nan = T(0) / T(0);
-    p = ((x < T(0)) | (x > T(1))) ? nan : x;
-    one_minus_p = (p != p) ? nan : T(1) - x;
-  }
-
-  // The gap g = p - δ·(1 - x) = a·(p - p*) that decides and sets the lower bound (see above for why it is exact
-  // to rounding however small it is).
-  template <typename T>
-  BANDPO_HD T closed_gap(Divergence div, T p, const ClosedDelta<T>& d) {
-    T x = T(0), a = T(1);
-    switch (div) {
-      case Divergence::kChi2:
-        x = p;
-        a = T(1) + d.hi;
-        break;
-      case Divergence::kHellinger:
-        x = T(0.25) * d.hi;
-        break;
-      case Divergence::kTV:
-      case Divergence::kKL:
-        break;
+    case Divergence::kHellinger: {  // δ - δ²/4: δ²/4 = q + q_lo exactly (fma), δ - q by Fast2Sum (δ ≥ q)
+      const double q = d * (0.25 * d), q_lo = fma(d, 0.25 * d, -q);
+      s = d - q;
+      e = ((d - s) - q) - q_lo;
+      break;
     }
-    const T from_delta = fma_any(d.hi, x, p - d.hi);            // δ = hi exactly
-    const T from_saturation = a * ((p - d.sat_hi) - d.sat_lo);  // δ = hi + lo, p* as a pair
-    return d.lo == T(0) ? from_delta : from_saturation;
+    case Divergence::kTV:
+    case Divergence::kKL:
+      break;
   }
+  hi = static_cast<T>(s);
+  lo = static_cast<T>((s - static_cast<double>(hi)) + e);
+}
 
-  template <typename T>
-  BANDPO_HD void closed_form_bounds(Divergence div, T p, T one_minus_p, const ClosedDelta<T>& d, T& lo, T& up) {
-    const T scale = sizeof(T) == 4 ? T(16777216.0) : T(1152921504606846976.0);  // 2^24, 2^60
-    const T root_scale = sizeof(T) == 4 ? T(4096.0) : T(1073741824.0);          // √scale
-    const T inv_ps = T(1) / (p * scale);
-    const T inv_p = inv_ps * scale;
-    const T gap = closed_gap<T>(div, p, d);
-    switch (div) {
-      case Divergence::kTV: {  // r = 1 ± δ/p; 1 - δ/p = g/p
-        const T up_open = T(1) + (d.hi * scale) * inv_ps;
-        up = up_open < inv_p ? up_open : inv_p;
-        lo = (gap <= T(0)) ? T(0) : gap / p;
-        break;
-      }
-      case Divergence::kChi2: {  // r = 1 ± w, w = sqrt(δ(1-p)/p); 1 - w = g/(p·(1 + w))
-        const T w = sqrt_any((d.hi * one_minus_p) / (p * scale)) * root_scale;
-        const T up_open = T(1) + w;
-        up = up_open < inv_p ? up_open : inv_p;
-        lo = (gap <= T(0)) ? T(0) : gap / (p * up_open);
-        break;
-      }
-      case Divergence::kHellinger: {
-        // √(p·r) = √p·cos α ± √(1-p)·sin α with cos α = 1 - δ/2, sin²α = δ(1 - δ/4). Divided by √p: √r = cos α ± v,
-        // v = sqrt(sin²α·(1-p)/p); cos²α - v² = (p - sin²α)/p = g/p, so √r_lo = g/(p·(cos α + v)).
-        // The upper bound saturates (1/p) once √p ≥ cos α.
-        // sin²α rounded once: by the fma from a δ that is a T, else it is p* (saturation_point, in double-double).
-        const T ca = T(1) - T(0.5) * d.hi;
-        const T s2 = d.lo == T(0) ? fma_any(T(-0.25) * d.hi, d.hi, d.hi) : d.sat_hi;
-        const T v2s = (s2 * one_minus_p) / (p * scale);  // v²/2^k
-        const T v = sqrt_any(v2s) * root_scale;
-        const T c = ca + v;
-        const T root_lo = gap / (p * c);
-        // (cos α + v)² as cos α·(cos α + 2v) + v², with v² = v2s·2^k: v's rounding enters once, not squared.
-        up = (p >= ca * ca) ? inv_p : fma_any(ca, ca + T(2) * v, v2s * scale);
-        lo = (gap <= T(0)) ? T(0) : root_lo * root_lo;
-        break;
-      }
-      case Divergence::kKL:  // no closed form (read from the table): never called for it
-        lo = up = T(0) / T(0);
-        return;
+// In double, δ is exact (lo = 0) and p* is never read.
+template <typename T>
+BANDPO_HD ClosedDelta<T> closed_delta(Divergence div, double d) {
+  ClosedDelta<T> c;
+  c.hi = static_cast<T>(d);
+  c.lo = static_cast<T>(d - static_cast<double>(c.hi));
+  c.sat_hi = c.hi;
+  c.sat_lo = T(0);
+  if (sizeof(T) < sizeof(double)) saturation_point<T>(div, d, c.sat_hi, c.sat_lo);
+  return c;
+}
+
+// A per-token δ within the range as its dtype rounds it, moved onto the range it stands for (as
+// delta_in_range, but onto the ends as double values: lo_end, hi_end = closed_delta(range end)).
+// For a T d and a double end e = e.hi + e.lo: d < e exactly when d < e.hi, or d == e.hi and e.lo > 0.
+template <typename T>
+BANDPO_HD ClosedDelta<T> closed_delta_in_range(const ClosedDelta<T>& lo_end, const ClosedDelta<T>& hi_end, T d) {
+  const bool below = (d < lo_end.hi) | ((d == lo_end.hi) & (lo_end.lo > T(0)));
+  const bool above = (d > hi_end.hi) | ((d == hi_end.hi) & (hi_end.lo < T(0)));
+  ClosedDelta<T> r;
+  r.hi = below ? lo_end.hi : (above ? hi_end.hi : d);
+  r.lo = below ? lo_end.lo : (above ? hi_end.lo : T(0));
+  r.sat_hi = below ? lo_end.sat_hi : hi_end.sat_hi;  // read only when lo != 0, i.e. only when moved onto an end
+  r.sat_lo = below ? lo_end.sat_lo : hi_end.sat_lo;
+  return r;
+}
+
+template <typename T>
+BANDPO_HD ClosedDelta<T> closed_delta_in_range(Divergence div, const TableView& tb, T d) {
+  return closed_delta_in_range<T>(closed_delta<T>(div, tb.delta_min), closed_delta<T>(div, tb.delta_max), d);
+}
+
+// p and 1 - p from a probability (not its log), with prob_terms_t's domain rule; the closed forms need no t.
+template <typename T>
+BANDPO_HD void prob_and_complement(T x, T& p, T& one_minus_p) {
+  const T nan = T(0) / T(0);
+  p = ((x < T(0)) | (x > T(1))) ? nan : x;
+  one_minus_p = (p != p) ? nan : T(1) - x;
+}
+
+// The gap g = p - δ·(1 - x) = a·(p - p*) that decides and sets the lower bound (see above for why it is exact
+// to rounding however small it is).
+template <typename T>
+BANDPO_HD T closed_gap(Divergence div, T p, const ClosedDelta<T>& d) {
+  T x = T(0), a = T(1);
+  switch (div) {
+    case Divergence::kChi2:
+      x = p;
+      a = T(1) + d.hi;
+      break;
+    case Divergence::kHellinger:
+      x = T(0.25) * d.hi;
+      break;
+    case Divergence::kTV:
+    case Divergence::kKL:
+      break;
+  }
+  const T from_delta = fma_any(d.hi, x, p - d.hi);            // δ = hi exactly
+  const T from_saturation = a * ((p - d.sat_hi) - d.sat_lo);  // δ = hi + lo, p* as a pair
+  return d.lo == T(0) ? from_delta : from_saturation;
+}
+
+template <typename T>
+BANDPO_HD void closed_form_bounds(Divergence div, T p, T one_minus_p, const ClosedDelta<T>& d, T& lo, T& up) {
+  const T scale = sizeof(T) == 4 ? T(16777216.0) : T(1152921504606846976.0);  // 2^24, 2^60
+  const T root_scale = sizeof(T) == 4 ? T(4096.0) : T(1073741824.0);          // √scale
+  const T inv_ps = T(1) / (p * scale);
+  const T inv_p = inv_ps * scale;
+  const T gap = closed_gap<T>(div, p, d);
+  switch (div) {
+    case Divergence::kTV: {  // r = 1 ± δ/p; 1 - δ/p = g/p
+      const T up_open = T(1) + (d.hi * scale) * inv_ps;
+      up = up_open < inv_p ? up_open : inv_p;
+      lo = (gap <= T(0)) ? T(0) : gap / p;
+      break;
     }
-    up = (one_minus_p == T(0)) ? T(1) : up;  // p = 1 exactly
-    lo = (p == T(0)) ? T(0) : lo;
+    case Divergence::kChi2: {  // r = 1 ± w, w = sqrt(δ(1-p)/p); 1 - w = g/(p·(1 + w))
+      const T w = sqrt_any((d.hi * one_minus_p) / (p * scale)) * root_scale;
+      const T up_open = T(1) + w;
+      up = up_open < inv_p ? up_open : inv_p;
+      lo = (gap <= T(0)) ? T(0) : gap / (p * up_open);
+      break;
+    }
+    case Divergence::kHellinger: {
+      // √(p·r) = √p·cos α ± √(1-p)·sin α with cos α = 1 - δ/2, sin²α = δ(1 - δ/4). Divided by √p: √r = cos α ± v,
+      // v = sqrt(sin²α·(1-p)/p); cos²α - v² = (p - sin²α)/p = g/p, so √r_lo = g/(p·(cos α + v)).
+      // The upper bound saturates (1/p) once √p ≥ cos α.
+      // sin²α rounded once: by the fma from a δ that is a T, else it is p* (saturation_point, in double-double).
+      const T ca = T(1) - T(0.5) * d.hi;
+      const T s2 = d.lo == T(0) ? fma_any(T(-0.25) * d.hi, d.hi, d.hi) : d.sat_hi;
+      const T v2s = (s2 * one_minus_p) / (p * scale);  // v²/2^k
+      const T v = sqrt_any(v2s) * root_scale;
+      const T c = ca + v;
+      const T root_lo = gap / (p * c);
+      // (cos α + v)² as cos α·(cos α + 2v) + v², with v² = v2s·2^k: v's rounding enters once, not squared.
+      up = (p >= ca * ca) ? inv_p : fma_any(ca, ca + T(2) * v, v2s * scale);
+      lo = (gap <= T(0)) ? T(0) : root_lo * root_lo;
+      break;
+    }
+    case Divergence::kKL:  // no closed form (read from the table): never called for it
+      lo = up = T(0) / T(0);
+      return;
   }
+  up = (one_minus_p == T(0)) ? T(1) : up;  // p = 1 exactly
+  lo = (p == T(0)) ? T(0) : lo;
+}
 
-  // ---- clamp with torch.clamp's NaN semantics ---------------------------------------------------------
-  template <typename T>
-  BANDPO_HD T clamp_like_torch(T x, T lo, T up) {
-    T y = x < lo ? lo : x;
-    y = y > up ? up : y;
-    y = (lo != lo) ? lo : y;  // NaN bounds propagate, as torch.clamp's do
-    y = (up != up) ? up : y;
-    return (x != x) ? x : y;
-  }
+// ---- clamp with torch.clamp's NaN semantics ---------------------------------------------------------
+template <typename T>
+BANDPO_HD T clamp_like_torch(T x, T lo, T up) {
+  T y = x < lo ? lo : x;
+  y = y > up ? up : y;
+  y = (lo != lo) ? lo : y;  // NaN bounds propagate, as torch.clamp's do
+  y = (up != up) ? up : y;
+  return (x != x) ? x : y;
+}
 
-  template <typename T>
-  BANDPO_HD bool delta_valid(const TableView& tb, T d) {
-    // Bitwise, no conditional on the (loop-invariant) flag: the CPU loops around this must vectorise.
-    const bool hi_ok = (d < T(tb.valid_max)) | ((d == T(tb.valid_max)) & tb.delta_max_inclusive);
-    return (d >= T(tb.valid_min)) & hi_ok;
-  }
+template <typename T>
+BANDPO_HD bool delta_valid(const TableView& tb, T d) {
+  // Bitwise, no conditional on the (loop-invariant) flag: the CPU loops around this must vectorise.
+  const bool hi_ok = (d < T(tb.valid_max)) | ((d == T(tb.valid_max)) & tb.delta_max_inclusive);
+  return (d >= T(tb.valid_min)) & hi_ok;
+}
 
-  // A per-token δ within the range as its dtype rounds it, moved onto the range it stands for.
-  template <typename T>
-  BANDPO_HD T delta_in_range(const TableView& tb, T d) {
-    const T lo = T(tb.delta_min), hi = T(tb.delta_max);
-    return d < lo ? lo : (d > hi ? hi : d);
-  }
+// A per-token δ within the range as its dtype rounds it, moved onto the range it stands for.
+template <typename T>
+BANDPO_HD T delta_in_range(const TableView& tb, T d) {
+  const T lo = T(tb.delta_min), hi = T(tb.delta_max);
+  return d < lo ? lo : (d > hi ? hi : d);
+}
 
 }  // namespace bandpo
