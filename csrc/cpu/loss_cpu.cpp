@@ -120,6 +120,11 @@ BANDPO_INLINE void row_f32_impl(const LossParams& params, const LossInputs<float
   const DeltaConsts<float> c = delta_consts<float>(static_cast<float>(params.band.delta));
   for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
     const int m = static_cast<int>(n - i0 < kBlock ? n - i0 : kBlock);
+    // The token pass's other inputs, fetched while the band pass computes (loaded cold, they stalled it).
+    for (int i = 0; i < m; i += 64 / sizeof(float)) {
+      __builtin_prefetch(in.lp + i0 + i);
+      __builtin_prefetch(in.adv + i0 + i);
+    }
     if (params.clip_kind == ClipKind::kBand) {
       FastRun run{&params.band, &c, in.olp + i0, in.delta ? in.delta + i0 : nullptr, nullptr, lo, up, nullptr, m};
       f32_contiguous(run, /*log_input=*/true, /*clip=*/false, params.per_token_delta);
