@@ -59,12 +59,13 @@ BANDPO_INLINE void baseline_bounds_f32(const LossParams& params, const float* __
   }
 }
 
-// Per-token terms of a block: the gradient factor into grad[] and, if sums is given, every token's
-// contribution to the kSums accumulators into sums[k][i] (ignored tokens: exactly 0, whatever their inputs).
+// Tokens [0, m) of a block: forward (SUMS), every token's contribution to the kSums sums into sums[k][i]
+// (ignored tokens and [m, kBlock): exactly 0, whatever their inputs); backward, the gradient
+// g · ∂(w·loss_t)/∂log_prob_t into grad[i].
 template <MaskKind MASK, bool SUMS>
 BANDPO_INLINE void token_block_f32(const LossParams& params, const float* __restrict lp, const float* __restrict olp,
                                    const float* __restrict adv, const void* __restrict mask, const float* __restrict lo,
-                                   const float* __restrict up, int m, float* __restrict grad,
+                                   const float* __restrict up, int m, float g, float* __restrict grad,
                                    float (*__restrict sums)[kBlock]) {
 #pragma omp simd
   for (int i = 0; i < m; ++i) {
@@ -74,54 +75,69 @@ BANDPO_INLINE void token_block_f32(const LossParams& params, const float* __rest
     // p_old only feeds the counts (buckets, low-probability); the backward does not need it.
     const float p = SUMS ? exp_f32_normal(olp[i]) : 0.5f;
     token_terms<float>(params, lp[i], olp[i], adv[i], w, p, lo[i], up[i], o);
-    grad[i] = skip ? 0.0f : o.grad;
     if (SUMS) {
       count_terms<float>(o, w, &sums[0][i], kBlock);  // w == 0 gives 0 in every count
       sums[kNumCounts][i] = skip ? 0.0f : o.value;
       sums[kNumCounts + 1][i] = w;
+    } else {
+      grad[i] = g * (skip ? 0.0f : o.grad);
     }
   }
-  if (SUMS) {
+  if (SUMS && m < kBlock) {
     for (int k = 0; k < kSums; ++k)
       for (int i = m; i < kBlock; ++i) sums[k][i] = 0.0f;
   }
 }
 
-// Eight independent lanes per accumulator: a sum the compiler vectorises without reassociating.
-BANDPO_INLINE void reduce_block(const float (*__restrict sums)[kBlock], double* __restrict totals) {
+// Accumulator lanes: lane j sums tokens j, j + kLanes, ... of a block in float32, then adds that to its
+// float64 lane; the order is fixed by the code, whatever vector width the clone runs. Straight vector adds
+// (the constant inner loops become whole registers); no horizontal sum until the end of the row.
+constexpr int kLanes = 16;
+BANDPO_INLINE void reduce_block(const float (*__restrict sums)[kBlock], double (*__restrict lanes)[kLanes]) {
   for (int k = 0; k < kSums; ++k) {
-    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int i = 0; i < kBlock; i += 8)
-      for (int j = 0; j < 8; ++j) lane[j] += sums[k][i + j];
-    double t = 0;
-    for (int j = 0; j < 8; ++j) t += lane[j];
-    totals[k] += t;
+    float acc[kLanes];
+    for (int j = 0; j < kLanes; ++j) acc[j] = sums[k][j];
+    for (int i = kLanes; i < kBlock; i += kLanes)
+      for (int j = 0; j < kLanes; ++j) acc[j] += sums[k][i + j];
+    for (int j = 0; j < kLanes; ++j) lanes[k][j] += static_cast<double>(acc[j]);
   }
+}
+
+// The mask of the tokens from i on.
+template <MaskKind MASK>
+BANDPO_INLINE const void* mask_at(const void* mask, int64_t i) {
+  return MASK == MaskKind::kBytes   ? static_cast<const void*>(static_cast<const uint8_t*>(mask) + i)
+         : MASK == MaskKind::kFloat ? static_cast<const void*>(static_cast<const float*>(mask) + i)
+                                    : nullptr;
 }
 
 template <MaskKind MASK, bool FWD>
 BANDPO_INLINE void row_f32_impl(const LossParams& params, const LossInputs<float>& in, int64_t n, double* totals,
                                 float g, float* grad_row) {
-  alignas(64) float lo[kBlock], up[kBlock], grad[kBlock];
+  alignas(64) float lo[kBlock], up[kBlock];
   alignas(64) float sums[FWD ? kSums : 1][kBlock];
+  alignas(64) double lanes[FWD ? kSums : 1][kLanes] = {};
   const DeltaConsts<float> c = delta_consts<float>(static_cast<float>(params.band.delta));
   for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
     const int m = static_cast<int>(n - i0 < kBlock ? n - i0 : kBlock);
+    // The token pass's other inputs, fetched while the band pass computes (loaded cold, they stalled it).
+    for (int i = 0; i < m; i += 64 / sizeof(float)) {
+      __builtin_prefetch(in.lp + i0 + i);
+      __builtin_prefetch(in.adv + i0 + i);
+    }
     if (params.clip_kind == ClipKind::kBand) {
       FastRun run{&params.band, &c, in.olp + i0, in.delta ? in.delta + i0 : nullptr, nullptr, lo, up, nullptr, m};
       f32_contiguous(run, /*log_input=*/true, /*clip=*/false, params.per_token_delta);
     } else {
       baseline_bounds_f32(params, in.olp + i0, m, lo, up);
     }
-    const void* mask = MASK == MaskKind::kBytes   ? static_cast<const void*>(static_cast<const uint8_t*>(in.mask) + i0)
-                       : MASK == MaskKind::kFloat ? static_cast<const void*>(static_cast<const float*>(in.mask) + i0)
-                                                  : nullptr;
-    token_block_f32<MASK, FWD>(params, in.lp + i0, in.olp + i0, in.adv + i0, mask, lo, up, m, grad, sums);
-    if (FWD) {
-      reduce_block(sums, totals);
-    } else {
-      for (int i = 0; i < m; ++i) grad_row[i0 + i] = g * grad[i];
-    }
+    token_block_f32<MASK, FWD>(params, in.lp + i0, in.olp + i0, in.adv + i0, mask_at<MASK>(in.mask, i0), lo, up, m, g,
+                               FWD ? nullptr : grad_row + i0, sums);
+    if (FWD) reduce_block(sums, lanes);
+  }
+  if (FWD) {
+    for (int k = 0; k < kSums; ++k)
+      for (int j = 0; j < kLanes; ++j) totals[k] += lanes[k][j];
   }
 }
 
