@@ -108,29 +108,19 @@ BANDPO_HD void kl_token_delta(const BandParams& band, acc_t x, acc_t delta, acc_
 // takes p and the bounds in double. delta_given: the per-token δ as given (before delta_in_range).
 template <typename acc_t, bool PER_TOKEN>
 BANDPO_HD void closed_form(const BandParams& band, acc_t x, acc_t delta_given, acc_t& lo, acc_t& up) {
-  if (std::is_same<acc_t, float>::value) {
-    if (band.log_input) {
-      double p, one_minus_p, t, l, u;
-      prob_terms<double>(static_cast<double>(x), true, p, one_minus_p, t);
-      const ClosedDelta<double> d =
-          PER_TOKEN ? closed_delta_in_range<double>(band.divergence, band.table, static_cast<double>(delta_given))
-                    : closed_delta<double>(band.divergence, band.delta);
-      closed_form_bounds<double>(band.divergence, p, one_minus_p, d, l, u);
-      lo = static_cast<acc_t>(l);
-      up = static_cast<acc_t>(u);
-    } else {
-      float p, one_minus_p, l, u;
-      prob_and_complement<float>(static_cast<float>(x), p, one_minus_p);
-      const ClosedDelta<float> d =
-          PER_TOKEN ? closed_delta_in_range<float>(band.closed_f[1], band.closed_f[2], static_cast<float>(delta_given))
-                    : band.closed_f[0];
-      closed_form_bounds<float>(band.divergence, p, one_minus_p, d, l, u);
-      lo = static_cast<acc_t>(l);
-      up = static_cast<acc_t>(u);
-    }
+  if (std::is_same<acc_t, float>::value && !band.log_input) {
+    float p, one_minus_p, l, u;
+    prob_and_complement<float>(static_cast<float>(x), p, one_minus_p);
+    const ClosedDelta<float> d =
+        PER_TOKEN ? closed_delta_in_range<float>(band.closed_f[1], band.closed_f[2], static_cast<float>(delta_given))
+                  : band.closed_f[0];
+    closed_form_bounds<float>(band.divergence, p, one_minus_p, d, l, u);
+    lo = static_cast<acc_t>(l);
+    up = static_cast<acc_t>(u);
     return;
   }
-  double p, one_minus_p, t, l, u;  // acc_t is double
+  // float64 inputs, and log p of any dtype (p = e^x is not exact in float: see closed_form_bounds)
+  double p, one_minus_p, t, l, u;
   prob_terms<double>(static_cast<double>(x), band.log_input, p, one_minus_p, t);
   const ClosedDelta<double> d =
       PER_TOKEN ? closed_delta_in_range<double>(band.divergence, band.table, static_cast<double>(delta_given))

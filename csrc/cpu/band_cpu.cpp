@@ -62,17 +62,6 @@ std::shared_ptr<const CellPolys> cell_polys(const BandParams& band) {
 // Closed forms need no table and run in one vector pass of their own (cpu/closed_form_cpu.h).
 namespace {
 
-template <bool CLIP>
-BANDPO_INLINE void store(const FastRun& run, int64_t i, float l, float u, float cap) {
-  u = u > cap ? cap : u;
-  if (CLIP) {
-    run.out[i] = clamp_like_torch<float>(run.ratio[i], l, u);
-  } else {
-    run.lo[i] = l;
-    run.up[i] = u;
-  }
-}
-
 // Pass 3 of a per-token-δ block; TAILS: whether the block has elements beyond the grid in t. dd: the block's
 // δ moved onto the table's range, ok: whether the δ given was in range.
 template <bool CLIP, bool TAILS>

@@ -42,6 +42,19 @@ struct FastRun {
   int64_t n;
 };
 
+// Element i of a run's outputs: the upper bound capped, then the bounds or the clipped ratio (torch.clamp's NaN
+// rules), for the blocked loops of band_cpu.cpp and closed_form_cpu.h.
+template <bool CLIP>
+BANDPO_INLINE void store(const FastRun& run, int64_t i, float l, float u, float cap) {
+  u = u > cap ? cap : u;
+  if (CLIP) {
+    run.out[i] = clamp_like_torch<float>(run.ratio[i], l, u);
+  } else {
+    run.lo[i] = l;
+    run.up[i] = u;
+  }
+}
+
 // Blocks of kBlock elements; the vectorised passes keep their temporaries on the stack.
 constexpr int kBlock = 256;
 

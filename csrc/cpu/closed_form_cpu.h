@@ -15,17 +15,6 @@
 namespace bandpo {
 namespace closed_cpu {
 
-template <bool CLIP>
-BANDPO_INLINE void store(const FastRun& run, int64_t i, float l, float u, float cap) {
-  u = u > cap ? cap : u;
-  if (CLIP) {
-    run.out[i] = clamp_like_torch<float>(run.ratio[i], l, u);
-  } else {
-    run.lo[i] = l;
-    run.up[i] = u;
-  }
-}
-
 // From p, in float.
 template <Divergence DIV, bool CLIP, bool PER_TOKEN>
 BANDPO_INLINE void run_from_p(const FastRun& run) {

@@ -118,7 +118,7 @@ struct V {
   }
 
   // q_up and κ at t (clamped onto the grid): axis_cell's cell and exact fraction, then the cell cubics read as
-  // rows and transposed (as cell_cubics_avx2).
+  // rows and transposed (cubics_from_rows, as the blocked loops do).
   BANDPO_SIMD_INLINE static void read_table(const Tables& tb, const Grid& g, F t, F& q, F& kappa) {
     const F tc = min(max(t, g.t_min), g.t_max);  // NaN -> t_min
     __m256i cell = _mm256_cvttps_epi32(mul(sub(tc, g.t_min), g.inv_step));
@@ -134,20 +134,7 @@ struct V {
     const F r2 = _mm256_loadu_ps(c + _mm_extract_epi32(lo4, 2)), r3 = _mm256_loadu_ps(c + _mm_extract_epi32(lo4, 3));
     const F r4 = _mm256_loadu_ps(c + _mm_cvtsi128_si32(hi4)), r5 = _mm256_loadu_ps(c + _mm_extract_epi32(hi4, 1));
     const F r6 = _mm256_loadu_ps(c + _mm_extract_epi32(hi4, 2)), r7 = _mm256_loadu_ps(c + _mm_extract_epi32(hi4, 3));
-    const F t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
-    const F t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
-    const F t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-    const F t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-    const F s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    const F s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    const F s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const F s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    const F c0 = _mm256_permute2f128_ps(s0, s4, 0x20), c4 = _mm256_permute2f128_ps(s0, s4, 0x31);
-    const F c1 = _mm256_permute2f128_ps(s1, s5, 0x20), c5 = _mm256_permute2f128_ps(s1, s5, 0x31);
-    const F c2 = _mm256_permute2f128_ps(s2, s6, 0x20), c6 = _mm256_permute2f128_ps(s2, s6, 0x31);
-    const F c3 = _mm256_permute2f128_ps(s3, s7, 0x20), c7 = _mm256_permute2f128_ps(s3, s7, 0x31);
-    q = fmadd(u, fmadd(u, fmadd(u, c3, c2), c1), c0);
-    kappa = fmadd(u, fmadd(u, fmadd(u, c7, c6), c5), c4);
+    cubics_from_rows(r0, r1, r2, r3, r4, r5, r6, r7, u, q, kappa);  // table_gather.h
   }
 };
 

@@ -10,6 +10,7 @@
 
 #include "bandpo_math.h"
 #include "cpu/band_cpu.h"
+#include "cpu/table_gather.h"  // cubics_from_rows; included here, outside the per-ISA pragmas
 #include "cpu/wide_cells.h"
 
 // Everything in the vector types and the kernel body is force-inlined into the ISA's entry point, so that no

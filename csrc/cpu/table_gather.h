@@ -37,6 +37,30 @@ inline void patches_scalar(const TableView& tb, const int* __restrict it, const 
 }
 
 #if defined(BANDPO_HAVE_X86_GATHER)
+// The two cell cubics of 8 elements from their cells' 8-coefficient rows r0..r7 (row k = element k's
+// [q0..q3, κ0..κ3]): an 8x8 transpose, then q = c0 + u·(c1 + u·(c2 + u·c3)) and κ alike. Shared by the blocked
+// loops (cell_cubics_avx2) and the fused AVX2 kernel (simd_avx2.h).
+__attribute__((target("avx2,fma"), always_inline)) inline void cubics_from_rows(__m256 r0, __m256 r1, __m256 r2,
+                                                                                __m256 r3, __m256 r4, __m256 r5,
+                                                                                __m256 r6, __m256 r7, __m256 u,
+                                                                                __m256& q, __m256& kap) {
+  // 8x8 transpose: row k = element k's coefficients -> c[j] = coefficient j of the 8 elements.
+  const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  const __m256 c0 = _mm256_permute2f128_ps(s0, s4, 0x20), c4 = _mm256_permute2f128_ps(s0, s4, 0x31);
+  const __m256 c1 = _mm256_permute2f128_ps(s1, s5, 0x20), c5 = _mm256_permute2f128_ps(s1, s5, 0x31);
+  const __m256 c2 = _mm256_permute2f128_ps(s2, s6, 0x20), c6 = _mm256_permute2f128_ps(s2, s6, 0x31);
+  const __m256 c3 = _mm256_permute2f128_ps(s3, s7, 0x20), c7 = _mm256_permute2f128_ps(s3, s7, 0x31);
+  q = _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, c3, c2), c1), c0);
+  kap = _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, c7, c6), c5), c4);
+}
+
 __attribute__((target("avx2,fma"))) inline void cell_cubics_avx2(const float* __restrict cells,
                                                                  const int* __restrict it, const float* __restrict ut,
                                                                  float* __restrict q, float* __restrict kap, int m) {
@@ -46,22 +70,11 @@ __attribute__((target("avx2,fma"))) inline void cell_cubics_avx2(const float* __
     __m256 r2 = _mm256_loadu_ps(cells + 8 * it[i + 2]), r3 = _mm256_loadu_ps(cells + 8 * it[i + 3]);
     __m256 r4 = _mm256_loadu_ps(cells + 8 * it[i + 4]), r5 = _mm256_loadu_ps(cells + 8 * it[i + 5]);
     __m256 r6 = _mm256_loadu_ps(cells + 8 * it[i + 6]), r7 = _mm256_loadu_ps(cells + 8 * it[i + 7]);
-    // 8x8 transpose: row k = element k's coefficients -> c[j] = coefficient j of the 8 elements.
-    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
-    const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
-    const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-    const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    const __m256 c0 = _mm256_permute2f128_ps(s0, s4, 0x20), c4 = _mm256_permute2f128_ps(s0, s4, 0x31);
-    const __m256 c1 = _mm256_permute2f128_ps(s1, s5, 0x20), c5 = _mm256_permute2f128_ps(s1, s5, 0x31);
-    const __m256 c2 = _mm256_permute2f128_ps(s2, s6, 0x20), c6 = _mm256_permute2f128_ps(s2, s6, 0x31);
-    const __m256 c3 = _mm256_permute2f128_ps(s3, s7, 0x20), c7 = _mm256_permute2f128_ps(s3, s7, 0x31);
     const __m256 u = _mm256_loadu_ps(ut + i);
-    _mm256_storeu_ps(q + i, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, c3, c2), c1), c0));
-    _mm256_storeu_ps(kap + i, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, c7, c6), c5), c4));
+    __m256 qv, kv;
+    cubics_from_rows(r0, r1, r2, r3, r4, r5, r6, r7, u, qv, kv);
+    _mm256_storeu_ps(q + i, qv);
+    _mm256_storeu_ps(kap + i, kv);
   }
   cell_cubics_scalar(cells, it, ut, q, kap, i, m);
 }
