@@ -9,14 +9,14 @@ ms), so that a saved program using the ops (torch.export.load, torch.jit.load) f
 """
 __version__ = "0.1.0"
 
-from .api import bounds, clip  # noqa: E402
-from .divergences import names as divergence_names  # noqa: E402
-from .loss import COUNTS, FRACTIONS, BandPolicyLoss, metrics_from_counts, policy_loss  # noqa: E402
+from bandpo_lut.runtime.api import bounds, clip  # noqa: E402
+from bandpo_lut.runtime.loss import COUNTS, FRACTIONS, BandPolicyLoss, metrics_from_counts, policy_loss  # noqa: E402
+from bandpo_lut.tables.divergences import names as divergence_names  # noqa: E402
 
 
 def _register_ops() -> None:
     try:
-        from . import _ops  # noqa: F401  (registers torch.ops.bandpo_lut, its fake kernels and autograd)
+        from bandpo_lut.runtime import _ops  # noqa: F401  (registers torch.ops.bandpo_lut, its fake kernels and autograd)
     except ImportError:
         pass   # no usable extension: the first call raises _extension.load()'s ImportError, which says why
 
@@ -27,7 +27,8 @@ _register_ops()
 def build_info() -> dict:
     """What the compiled extension was built with (CUDA or CPU, versions, arch list) and the shipped
     tables' provenance."""
-    from . import _extension, tables
+    from bandpo_lut.runtime import _extension
+    from bandpo_lut.tables import store as tables
 
     info = dict(_extension.build_info())
     info["tables"] = tables.provenance()
@@ -42,7 +43,7 @@ def __getattr__(name: str):
     # `bandpo_lut.reference.bounds(...)` (the float64 table reader) works after `import bandpo_lut` alone,
     # without importing the references with the package.
     if name == "fused_linear_policy_loss":   # its module is small, but keep `import bandpo_lut` minimal
-        from .fused_linear import fused_linear_policy_loss
+        from bandpo_lut.runtime.fused_linear import fused_linear_policy_loss
 
         return fused_linear_policy_loss
     if name == "reference":

@@ -345,7 +345,7 @@ BANDPO_HD void kl_finish_branched(T p, T one_minus_p, T t, T q_tab, T kappa, T d
 //    rounded to float instead, the saturation point would move by up to 2^-24·δ, an unbounded relative error
 //    for gaps of that size.)
 // The rest of each lower bound is a product and quotient of well-conditioned factors (no cancellation), and
-// the upper bounds have no cancellation; tests/test_closed_forms_f32.py asserts the resulting ulp bounds
+// the upper bounds have no cancellation; tests/runtime/test_closed_forms_f32.py asserts the resulting ulp bounds
 // against an exact-gap float64 reference (itself checked against mpmath).
 //
 // Quotients by p are taken of p·2^k (as in kl_finish), so that a subnormal float p, where 1/p overflows

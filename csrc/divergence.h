@@ -1,7 +1,7 @@
 // The compiled divergences: the one list that every kernel dispatches on.
 //
 // Python's registry (bandpo_lut/divergences.py, `compiled_id`) must agree with it: the list reaches Python in
-// bandpo_lut._C's facts (csrc/facts.h) and tests/test_contract.py compares the two. Adding a divergence here
+// bandpo_lut._C's facts (csrc/facts.h) and tests/runtime/test_contract.py compares the two. Adding a divergence here
 // means an enumerator, its traits specialisation below (else nothing compiles), a case in every `switch` over
 // Divergence (the build passes -Werror=switch: a missing case is a compile error; the switches have no
 // `default:`), and its math in bandpo_math.h. Whether the kernels read its table is `reads_table`, never a

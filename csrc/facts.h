@@ -9,7 +9,7 @@
 //                              thresholds
 //   cpu                        the CPU's vector ISA and the kernel variant chosen for it (csrc/cpu/cpu_variant.h;
 //                              "variant_error" instead when BANDPO_LUT_CPU_VARIANT asks for one it cannot run)
-// tests/test_contract.py compares each with its Python owner (the divergence registry, loss_spec).
+// tests/runtime/test_contract.py compares each with its Python owner (the divergence registry, loss_spec).
 #pragma once
 
 #include <sstream>

@@ -13,9 +13,15 @@
 from __future__ import annotations
 
 import functools
+import sys
+from pathlib import Path
 
-import pytest
-from helpers import ALL_DEVICES, run_fresh, small_kl_blob
+# The shared test modules (helpers, sample inputs, plug-in check scripts) live in tests/support/;
+# every test imports them by their plain names.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
+import pytest  # noqa: E402
+from helpers import ALL_DEVICES, run_fresh, small_kl_blob  # noqa: E402
 
 
 @pytest.fixture(params=ALL_DEVICES)

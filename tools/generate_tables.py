@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from bandpo_lut.cli import main
-from bandpo_lut.tables import SHIPPED
+from bandpo_lut.tables.store import SHIPPED
 
 TABLES = Path(__file__).resolve().parent.parent / "tables"
 

@@ -212,7 +212,7 @@ def timing(g) -> None:
     import torch
 
     import bandpo_lut
-    from bandpo_lut.bench import canonical_ppo_loss
+    from bandpo_lut.cli.bench.command import canonical_ppo_loss
 
     N = 2 ** 26
     p = torch.sigmoid(torch.randn(N, device="cuda") * 3)

@@ -1,7 +1,7 @@
 """The CUDA part of tools/gpu_check.py for `bandpo_lut.fused_linear_policy_loss` (imported by it).
 
 check(report, g): the fused loss on CUDA against the unfused path on CUDA (float32 to 1e-5, bfloat16 to the
-    tolerance of tests/test_fused_linear.py) and against the fused loss on CPU; forward and backward under
+    tolerance of tests/runtime/test_fused_linear.py) and against the fused loss on CPU; forward and backward under
     torch.cuda.set_sync_debug_mode("error") (any host synchronisation raises); torch.compile(fullgraph=True).
 timing(report): N = 4096 tokens (4 x 1024), H = 1024, V = 32768 and 131072, LM head frozen and trained:
     peak extra memory (torch.cuda.max_memory_allocated above what was allocated before the step, minus the

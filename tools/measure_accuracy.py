@@ -2,7 +2,7 @@
 
     python tools/measure_accuracy.py --points 100000 [--divergence kl ...] [--workers 2] [--seed 2026]
 
-Points: `bandpo_lut.accuracy.sample_points` (60% with |logit p| ≤ 14, a fifth in each tail, δ log-uniform over
+Points: `bandpo_lut.tables.accuracy.sample_points` (60% with |logit p| ≤ 14, a fifth in each tail, δ log-uniform over
 the table's range); inputs float32, δ per token (float32) and, separately, the scalar δ = 0.05. The truth is
 mpmath's root at exactly the float32 values used, rounded to float64. Errors: upper |r - r*|/r*; lower
 |r - r*|/(r*(1 + |ln r*|)) (a float evaluation of r = e^-L carries L's rounding), with a floor of two float32
@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 import bandpo_lut
-from bandpo_lut import accuracy, tables
+from bandpo_lut.tables import accuracy
+from bandpo_lut.tables import store as tables
 
 
 def _truth(job):

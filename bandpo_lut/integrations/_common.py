@@ -2,8 +2,8 @@
 against what this build can compute (named by the user's field), and the version policy.
 
 Light on purpose: importing it imports neither verl nor TRL (torch comes with the `bandpo_lut`
-package). The band checks are `bandpo_lut.checks`' and read the divergence registry and the shipped
-table's header (`bandpo_lut.tables`), never the compiled extension, so a bad setting is refused when
+package). The band checks are `bandpo_lut.tables.checks`' and read the divergence registry and the shipped
+table's header (`bandpo_lut.tables.store`), never the compiled extension, so a bad setting is refused when
 the trainer's config object is built, before any model loads. `check_band` is the one place the
 integrations ask "can bandpo_lut compute this band?".
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import warnings
 
-from bandpo_lut.checks import delta_interval, in_delta_range, is_number, max_ratio_ok
-from bandpo_lut.divergences import compiled_names as compiled_divergences
+from bandpo_lut.tables.checks import delta_interval, in_delta_range, is_number, max_ratio_ok
+from bandpo_lut.tables.divergences import compiled_names as compiled_divergences
 
 # The paper's settings (BandPO: KL trust region, δ = 0.05, upper ratio bound capped at 10, dual
 # clip 10). Both integrations default to these; departing from them is an explicit setting.
@@ -29,7 +29,7 @@ def check_band(divergence, delta, max_ratio, *, field: dict) -> None:
     ``{"delta": "band_delta", ...}`` or ``"actor.policy_loss.band_delta"``), so that every message
     names the setting the user wrote. Raises ValueError.
     """
-    from bandpo_lut import divergences
+    from bandpo_lut.tables import divergences
 
     known = divergences.names()
     compiled = compiled_divergences()
@@ -56,7 +56,7 @@ def check_band(divergence, delta, max_ratio, *, field: dict) -> None:
 
 def delta_range(divergence: str) -> tuple[float, float, bool]:
     """(min, max, max_inclusive) of δ in the shipped table of `divergence` (its header only)."""
-    from bandpo_lut import tables
+    from bandpo_lut.tables import store as tables
 
     table = tables.get(divergence)
     return table.delta_min, table.delta_max, table.delta_max_inclusive

@@ -53,8 +53,8 @@ from typing import Optional
 import torch
 
 import bandpo_lut
+from bandpo_lut.runtime import loss_spec
 
-from .. import loss_spec
 from ._common import PAPER, check_band, check_framework, is_number
 
 __all__ = ["TESTED_OPENRLHF", "BandSettings", "BandPolicyLoss", "activate", "activate_from_env",

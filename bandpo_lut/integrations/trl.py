@@ -340,7 +340,7 @@ def _float_or_none(text: str):
 
 
 def _counts_and_fractions():
-    from bandpo_lut.loss_spec import COUNTS, FRACTIONS, metrics_from_counts
+    from bandpo_lut.runtime.loss_spec import COUNTS, FRACTIONS, metrics_from_counts
 
     return COUNTS, FRACTIONS, metrics_from_counts
 

@@ -6,7 +6,7 @@ What it computes is TRL 1.16's `GRPOTrainer._compute_loss` for the loss types wi
 ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"), with the band (or, band_clip="fixed", TRL's epsilon clip) and
 TRL's `delta` as the dual clip: every loss type is a masked sum of per-token losses divided by a normaliser
 that depends on the mask only, so it is `agg="token-sum"` with the mask scaled by that normaliser (per row for
-"grpo"). tests/test_fused_linear_trl.py checks loss and gradients against the unfused BandGRPOTrainer.
+"grpo"). tests/integrations/test_trl_fused_linear.py checks loss and gradients against the unfused BandGRPOTrainer.
 
 Refused when the config is built (they need the log-probs or the entropies of the whole batch before the
 loss, or a gradient the fused loss does not form): top_entropy_quantile < 1, entropy_coef != 0 or adaptive
@@ -98,7 +98,7 @@ def _normalised_weights(trainer, inputs, mask: torch.Tensor) -> torch.Tensor:
 
 def fused_linear_loss(trainer, model, inputs):
     """BandGRPOTrainer's loss for one micro-batch with fused_linear_policy_loss (see the module docstring)."""
-    from bandpo_lut.fused_linear import fused_linear_policy_loss
+    from bandpo_lut.runtime.fused_linear import fused_linear_policy_loss
 
     old = inputs.get("old_per_token_logps")
     if old is None:

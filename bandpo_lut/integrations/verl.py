@@ -65,7 +65,7 @@ from typing import Any, Optional
 import torch
 
 import bandpo_lut
-from bandpo_lut.loss_spec import CLIPS, COUNTS, MODES
+from bandpo_lut.runtime.loss_spec import CLIPS, COUNTS, MODES
 
 from ._common import PAPER, check_band, check_framework, is_number
 

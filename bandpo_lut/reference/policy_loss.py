@@ -97,7 +97,7 @@ import math
 
 import torch
 
-from bandpo_lut.loss_spec import (  # noqa: F401
+from bandpo_lut.runtime.loss_spec import (  # noqa: F401
     AGGS,
     BUCKETS,
     CLIPS,
@@ -110,8 +110,8 @@ from bandpo_lut.loss_spec import (  # noqa: F401
     baseline_bounds,
     metrics_from_counts,
 )
-from bandpo_lut.loss_spec import check_args as _check_args
-from bandpo_lut.loss_spec import safe_div as _safe_div
+from bandpo_lut.runtime.loss_spec import check_args as _check_args
+from bandpo_lut.runtime.loss_spec import safe_div as _safe_div
 
 
 def _band_bounds(log_p_old: torch.Tensor, delta, divergence: str):

@@ -1,0 +1,1 @@
+"""`bandpo-lut bench`: speed and memory of the ops, the loss and the fused-linear loss."""

@@ -1,0 +1,145 @@
+"""`bandpo-lut bench --fused-linear`: the unfused path against `fused_linear_policy_loss`, side by side.
+
+    unfused: log_softmax(hidden @ weight.T) -> gather -> bandpo_lut.policy_loss   (the full logits)
+    fused:   bandpo_lut.fused_linear_policy_loss(hidden, weight, ...)             (one chunk at a time)
+
+For each vocabulary size, LM head frozen (LoRA-style: no weight gradient) and trained, each path runs in a
+fresh process: one warm-up step, then one measured step for memory, then --fl-repeats timed steps
+(fwd+bwd; the median is reported). Peak extra memory: CPU, the resident-set high-water mark (VmHWM, reset
+through /proc/self/clear_refs before the step, every large allocation in its own mapping so that freed
+memory shows) minus the resident size before the step; CUDA, torch.cuda.max_memory_allocated minus the
+allocated size before the step (the caching allocator's accounting). The gradients of hidden and weight
+(which any path must hold) are subtracted and shown apart.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+
+def add_arguments(parser):
+    from bandpo_lut.cli.args import int_at_least
+
+    parser.add_argument("--fused-linear", action="store_true",
+                        help="only the fused-linear section: unfused vs fused_linear_policy_loss, memory and time")
+    parser.add_argument("--fl-tokens", type=int_at_least(1), default=4096, help="tokens N (default 4096)")
+    parser.add_argument("--fl-hidden", type=int_at_least(1), default=1024, help="hidden size H (default 1024)")
+    parser.add_argument("--fl-vocab", type=int_at_least(2), nargs="+", default=[32768, 131072],
+                        help="vocabulary sizes V (default 32768 131072)")
+    parser.add_argument("--fl-repeats", type=int_at_least(1), default=3,
+                        help="timed steps per row after the warm-up and the memory step (default 3)")
+    parser.add_argument("--fl-chunk", type=int_at_least(1), default=None,
+                        help="chunk_size of the fused path (default: fused_linear_policy_loss's)")
+
+
+def make_inputs(tokens, hidden, vocab, device, train_head, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(1, tokens, hidden, generator=g)).to(device).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) / hidden ** 0.5).to(device).requires_grad_(train_head)
+    ids = torch.randint(0, vocab, (1, tokens), generator=g).to(device)
+    old = (-torch.rand(1, tokens, generator=g) * 12).to(device)     # log p_old of a vocabulary-size softmax
+    adv = torch.randn(1, tokens, generator=g).to(device)
+    mask = (torch.rand(1, tokens, generator=g) > 0.1).to(device)
+    return h, w, ids, old, adv, mask
+
+
+def step(kind, inputs, chunk=None):
+    import bandpo_lut
+
+    h, w, ids, old, adv, mask = inputs
+    h.grad = w.grad = None
+    kw = dict(max_ratio=10.0, dual_clip=10.0)
+    if kind == "unfused":
+        lp = torch.log_softmax(h @ w.t(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        loss, _ = bandpo_lut.policy_loss(lp, old, adv, mask, **kw)
+    else:
+        loss, _ = bandpo_lut.fused_linear_policy_loss(h, w, ids, old, adv, mask, chunk_size=chunk, **kw)
+    loss.backward()
+
+
+_CHILD = """
+import json, statistics, sys, time, torch
+from bandpo_lut.cli.bench.fused_linear import make_inputs, step
+kind, tokens, hidden, vocab, train, repeats, chunk, dev = json.loads(sys.argv[1])
+device = torch.device(dev)
+torch.set_num_threads({threads})
+def status(key):
+    for line in open('/proc/self/status'):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+def sync():
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+x = make_inputs(tokens, hidden, vocab, device, train)
+step(kind, x, chunk)            # warm-up (also allocates the gradients)
+x[0].grad = x[1].grad = None
+sync()
+if device.type == 'cuda':
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+else:
+    open('/proc/self/clear_refs', 'w').write('5')
+    before = status('VmRSS:')
+step(kind, x, chunk)
+sync()
+peak = (torch.cuda.max_memory_allocated(device) if device.type == 'cuda' else status('VmHWM:')) - before
+times = []
+for _ in range(repeats):
+    t0 = time.perf_counter()
+    step(kind, x, chunk)
+    sync()
+    times.append(time.perf_counter() - t0)
+print(json.dumps([peak, statistics.median(times)]))
+"""
+
+
+def measure(kind, tokens, hidden, vocab, train, repeats, chunk, device, threads):
+    """(peak extra bytes, median seconds) of one configuration, in a fresh process; None if it failed."""
+    if device.type == "cpu" and not os.path.exists("/proc/self/clear_refs"):
+        return None
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads))
+    arg = json.dumps([kind, tokens, hidden, vocab, train, repeats, chunk, str(device)])
+    try:
+        out = subprocess.run([sys.executable, "-c", _CHILD.format(threads=threads), arg], capture_output=True,
+                             text=True, check=True, cwd=os.path.expanduser("~"), env=env)
+    except subprocess.CalledProcessError as err:
+        print(f"  ({kind}, V={vocab}: failed: {err.stderr.strip().splitlines()[-1:]})")
+        return None
+    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def run(args, device) -> int:
+    from bandpo_lut.runtime.fused_linear import default_chunk_size
+
+    n, hdim, reps = args.fl_tokens, args.fl_hidden, args.fl_repeats
+    accounting = ("torch.cuda.max_memory_allocated" if device.type == "cuda"
+                  else "peak RSS (VmHWM after clear_refs), fresh process per row")
+    print(f"fused-linear policy loss, float32, {device}, N = {n}, H = {hdim}, {args.threads} threads; "
+          f"memory: {accounting}; time: median of {reps} fwd+bwd steps")
+    print(f"{'V':>7s} {'head':>7s} {'chunk':>6s} {'grads MB':>9s} {'unfused MB':>11s} {'fused MB':>9s} "
+          f"{'mem ratio':>9s} {'unfused s':>10s} {'fused s':>8s} {'time ratio':>10s}")
+    rows = []
+    for vocab in args.fl_vocab:
+        chunk = args.fl_chunk or default_chunk_size(n, vocab)
+        for train in (False, True):
+            grads = 4 * (n * hdim + (vocab * hdim if train else 0))
+            un = measure("unfused", n, hdim, vocab, train, reps, args.fl_chunk, device, args.threads)
+            fu = measure("fused", n, hdim, vocab, train, reps, args.fl_chunk, device, args.threads)
+            if un is None or fu is None:
+                continue
+            mem_u, mem_f = (un[0] - grads) / 2 ** 20, (fu[0] - grads) / 2 ** 20
+            row = dict(vocab=vocab, head="trained" if train else "frozen", chunk=chunk, grads_mb=grads / 2 ** 20,
+                       unfused_mb=mem_u, fused_mb=mem_f, unfused_s=un[1], fused_s=fu[1])
+            rows.append(row)
+            print(f"{vocab:7d} {row['head']:>7s} {chunk:6d} {row['grads_mb']:9.0f} {mem_u:11.0f} {mem_f:9.0f} "
+                  f"{mem_f / mem_u if mem_u > 0 else float('nan'):9.3f} {un[1]:10.2f} {fu[1]:8.2f} "
+                  f"{fu[1] / un[1]:10.2f}")
+    print("(MB: peak extra memory of one fwd+bwd step minus the gradients of hidden and weight, 'grads MB')")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"fused_linear_rows": rows}, fh, indent=1)
+    return 0

@@ -1,0 +1,1 @@
+"""`bandpo-lut demo`: the toy training tasks that compare BandPO with the baselines."""

@@ -1,0 +1,1 @@
+"""What runs per training step: the compiled extension's loader and op registrations, the band ops (`bounds`, `clip`), the fused policy loss and its fused-linear form, their settings and the device-resident table cache."""

@@ -1,0 +1,174 @@
+"""The fused BandPO policy loss: `policy_loss(...) -> (loss, metrics)` and the `BandPolicyLoss` module.
+
+Semantics, metrics and counts are exactly those of `bandpo_lut.reference.policy_loss` (its module
+docstring is the specification: per-token surrogate, dual clip, the "fixed", "dcpo" and "band" clips, the
+"clip" and "mask" modes, the four aggregations and the metric names). Here one compiled kernel computes,
+per token, the ratio, the bounds, the surrogate and the metric partial sums, returning only per-row sums
+and 20 counts; the backward kernel recomputes what it needs from the inputs, so the loss saves nothing of
+the input's size. No host synchronisation: works under torch.compile(fullgraph=True).
+
+Counts for exact global metrics: `metrics` holds every count of `COUNTS` next to the fractions. Sum the
+counts over micro-batches and data-parallel ranks (e.g. all-reduce), then call
+`bandpo_lut.metrics_from_counts(summed)` for the exact global fractions.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bandpo_lut.runtime import loss_spec as _spec
+from bandpo_lut.runtime import table_cache as _cache
+from bandpo_lut.runtime.api import bounds
+from bandpo_lut.tables import checks as _checks
+
+COUNTS = _spec.COUNTS
+FRACTIONS = _spec.FRACTIONS
+metrics_from_counts = _spec.metrics_from_counts
+
+
+def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, divergence="kl", max_ratio=None,
+                dual_clip=None, agg="token-mean", clip="band", mode="clip", eps_low=None, eps_high=None):
+    """PPO-family policy loss with BandPO's band (default) or a baseline clip, fused.
+
+    Args:
+        log_prob, old_log_prob, advantages: (batch, T) floating tensors on one device, any strides; the
+            gradient flows to `log_prob` only.
+        mask: optional (batch, T) bool, integer or floating mask (values act as per-token weights).
+        delta, divergence: the band's radius (a number in the table's range, or a floating tensor
+            broadcastable to (batch, T)) and divergence ("kl", "tv", "chi2", "hellinger").
+        max_ratio: cap of the upper bound (the paper used 10). dual_clip: c > 1 caps the loss of A < 0
+            tokens at -A·c.
+        agg: "token-mean", "token-sum", "seq-mean-token-mean" or "seq-mean-token-sum".
+        clip: "band", "fixed" (eps_low/eps_high, default 0.2/0.2; DAPO's clip-higher is 0.2/0.28) or
+            "dcpo" (default eps 0.16/0.2). mode: "clip", or "mask" (out-of-band tokens keep their
+            surrogate's value but lose the gradient in the unsafe direction).
+    Derivatives: to log_prob only, first order in both modes (backward, torch.func.grad/jacrev/vjp, forward
+    mode: torch.func.jvp/jacfwd, torch.autograd.forward_ad); a second derivative (double backward,
+    torch.func.hessian) raises NotImplementedError.
+    Returns:
+        (loss, metrics): a 0-dim loss, and a dict of 0-dim tensors: the fractions of FRACTIONS (clip_frac,
+        clip_frac_upper, clip_frac_lower, dual_clip_frac, clip_frac_upper_lowprob, ppo_kl, band_width_mean,
+        clip_frac_pXX_YY) and the raw counts of COUNTS.
+
+    One compiled op computes the loss (aggregated), every count and every fraction (a constant number of
+    kernel launches, in a fixed-order reduction: bit-identical run to run); the backward is one op too.
+    """
+    lp, olp, adv, mask, delta_t, settings = op_inputs(log_prob, old_log_prob, advantages, mask, delta, divergence,
+                                                      max_ratio, dual_clip, agg, clip, mode, eps_low, eps_high)
+    args = (lp, olp, adv, mask, delta_t, *settings, _spec.AGG_ID[agg])
+    ops = _cache.compiled_ops()
+    plain_eager_grad = (torch.is_grad_enabled() and lp.requires_grad and not torch.compiler.is_compiling()
+                        and not torch.jit.is_tracing() and ops._registered_op_suffices())
+    loss, metrics, _ = _EagerLoss.apply(*args) if plain_eager_grad else ops.policy_loss_fwd(*args)
+    return loss, dict(zip(_spec.METRICS, metrics.unbind()))
+
+
+class _EagerLoss(torch.autograd.Function):
+    """The op with its backward, in plain eager code with a gradient to take (not traced, no torch.func
+    transform or forward-mode level: those take `_ops.policy_loss_fwd`'s routes). Same kernels and saved
+    tensors as the op's registered autograd, without the ~0.1-0.2 ms per call that torch.library's Python
+    wrapper spends re-binding the schema."""
+
+    @staticmethod
+    def forward(ctx, lp, olp, adv, mask, delta_t, *settings_and_agg):
+        loss, metrics, row_scale = _cache.compiled_ops().ops.policy_loss_fwd(lp, olp, adv, mask, delta_t,
+                                                                             *settings_and_agg)
+        ctx.save_for_backward(lp, olp, adv, mask, delta_t, row_scale)
+        ctx.settings = settings_and_agg[:-1]   # the backward takes every setting but agg (folded into row_scale)
+        ctx.mark_non_differentiable(metrics, row_scale)
+        ctx.set_materialize_grads(False)
+        return loss, metrics, row_scale
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_metrics, grad_row_scale):
+        grad = None
+        if ctx.needs_input_grad[0] and grad_loss is not None:
+            lp, olp, adv, mask, delta_t, row_scale = ctx.saved_tensors
+            args = (grad_loss, row_scale, lp, olp, adv, mask, delta_t, *ctx.settings)
+            ops = _cache.compiled_ops()
+            # create_graph=True (grad mode on here): a second derivative must raise, not be a silent zero.
+            second_order = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            grad = (ops._LossBackward.apply(*ops._wrap(args)) if second_order
+                    else ops.ops.policy_loss_bwd(*args))
+        return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+def op_inputs(log_prob, old_log_prob, advantages, mask, delta, divergence, max_ratio, dual_clip, agg, clip, mode,
+              eps_low, eps_high):
+    """Validate policy_loss's arguments and put them in the form the compiled ops take: (lp, olp, adv, mask,
+    delta_t, settings), where `policy_loss_fwd(lp, olp, adv, mask, delta_t, *settings, agg_id)` is the loss and
+    `policy_loss_bwd(grad, row_scale, lp, olp, adv, mask, delta_t, *settings)` its gradient (also used by
+    `bandpo_lut.runtime.fused_linear`, so that both share one reading of the options)."""
+    eps_low, eps_high = _spec.check_args(log_prob, old_log_prob, advantages, mask, delta, divergence, max_ratio,
+                                         dual_clip, agg, clip, mode, eps_low, eps_high)
+    dtype = _spec.compute_dtype(log_prob, old_log_prob, advantages)
+    # No .detach(): the op's autograd gives old_log_prob, advantages, mask and delta no gradient.
+    lp, olp, adv = log_prob.to(dtype), old_log_prob.to(dtype), advantages.to(dtype)
+    if mask is not None and mask.dtype not in (torch.bool, dtype):
+        mask = mask.to(dtype)            # bool masks pass as bytes; others are weights
+    # The baseline clips read no table: a placeholder, and any compiled id (the kernels ignore both).
+    div = _checks.compiled_divergence(divergence if clip == "band" else "kl")
+    meta, coefficients = _cache.table_for(div.name if clip == "band" else None, lp)
+    delta_t, delta_s = None, 0.0
+    if clip == "band":
+        if isinstance(delta, torch.Tensor):
+            delta_t = delta.to(dtype)    # broadcast to (batch, T) inside the op
+        else:
+            delta_t, delta_s = _cache.scalar_delta(delta, meta)
+    settings = (delta_s, coefficients, list(meta.grid), div.compiled_id, _spec.CLIP_ID[clip], float(eps_low or 0.0),
+                float(eps_high or 0.0), math.inf if max_ratio is None else float(max_ratio),
+                0.0 if dual_clip is None else float(dual_clip), _spec.MODE_ID[mode])
+    return lp, olp, adv, mask, delta_t, settings
+
+
+def ratio_bounds(p_old: torch.Tensor, *, clip="band", delta=0.05, divergence="kl", max_ratio=None, eps_low=None,
+                 eps_high=None):
+    """The [lower, upper] ratio bounds that `policy_loss(clip=...)` applies at the old probabilities `p_old`
+    (for figures and logs): the compiled band for clip="band", the baseline formulas otherwise (eps defaults
+    as in `policy_loss`); the upper bound capped by max_ratio. Returned in p_old's dtype."""
+    if clip == "band":
+        return bounds(p_old, delta, divergence, max_ratio=max_ratio)
+    if clip not in _spec.DEFAULT_EPS:
+        raise ValueError(f"clip: unknown clip={clip!r}; choose one of {_spec.CLIPS}")
+    _spec.check_max_ratio(max_ratio)
+    lo, up = _spec.baseline_bounds(p_old, clip, *_spec.baseline_eps(clip, eps_low, eps_high))
+    return lo, up if max_ratio is None else torch.clamp(up, max=float(max_ratio))
+
+
+class BandPolicyLoss(torch.nn.Module):
+    """`policy_loss` with its settings held by a module: `loss, metrics = BandPolicyLoss(...)(lp, olp, adv, mask)`.
+
+    A tensor δ is a buffer (`module.delta`: in state_dict, moved by .to()). A δ schedule under torch.compile
+    (dynamic=True) runs one graph: set `module.settings["delta"] = value` between steps, or give a 0-dim tensor δ
+    and update it in place (`module.delta.fill_(value)`)."""
+
+    def __init__(self, *, delta=0.05, divergence="kl", max_ratio=None, dual_clip=None, agg="token-mean",
+                 clip="band", mode="clip", eps_low=None, eps_high=None):
+        super().__init__()
+        self.settings = dict(delta=delta, divergence=divergence, max_ratio=max_ratio, dual_clip=dual_clip, agg=agg,
+                             clip=clip, mode=mode, eps_low=eps_low, eps_high=eps_high)
+        # Validate now, on a tiny input, so that a bad setting fails at construction, not mid-training.
+        if isinstance(delta, torch.Tensor):   # any (batch, T) that a per-token δ broadcasts to
+            z = torch.zeros(torch.broadcast_shapes(delta.shape, (1, 1))[-2:], device=delta.device)
+        else:
+            z = torch.zeros(1, 1)
+        _spec.check_args(z, z, z, None, delta, divergence, max_ratio, dual_clip, agg, clip, mode, eps_low, eps_high)
+        if clip == "band":   # the divergence must be compiled, a number δ within its table's range
+            div = _checks.compiled_divergence(divergence)
+            if not isinstance(delta, torch.Tensor):
+                _cache.check_delta(float(delta), _cache.table_for(div.name, z)[0])
+        if isinstance(delta, torch.Tensor):
+            # Module state, by torch's convention: a buffer, in state_dict and moved by .to()/.cuda().
+            del self.settings["delta"]
+            self.register_buffer("delta", delta)
+
+    def forward(self, log_prob, old_log_prob, advantages, mask=None):
+        settings = self.settings if "delta" in self.settings else dict(self.settings, delta=self.delta)
+        return policy_loss(log_prob, old_log_prob, advantages, mask, **settings)
+
+    def extra_repr(self) -> str:
+        shown = [f"{k}={v!r}" for k, v in self.settings.items() if v is not None]
+        if "delta" not in self.settings:
+            shown.insert(0, f"delta=<buffer {tuple(self.delta.shape)} {self.delta.dtype}>")
+        return ", ".join(shown)

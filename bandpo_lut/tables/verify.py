@@ -1,0 +1,89 @@
+"""`bandpo-lut verify FILE...`: check tables against mpmath and for monotonicity.
+
+For each file: evaluates the table with `bandpo_lut.reference.bounds` (float64) at random off-grid
+points (p over its whole float range, δ over the table's range) against the 40-digit mpmath roots, prints
+the worst errors and where they occur, and checks on a dense grid (default 4000 values of p × 200 of δ)
+that the upper bound never increases with p nor decreases with δ, and the lower bound the opposite,
+beyond one unit in the last place. Every file is reported, a bad one as FAILED with the reason (it does
+not stop the others); exits 1 if any file fails to load, exceeds its tolerance or is not monotone.
+`--tolerance` overrides the header's tolerance, 0 included (exact agreement in float64).
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+
+from bandpo_lut.tables import accuracy
+from bandpo_lut.tables import store as tables
+from bandpo_lut.tables.table_format import CHECKSUM_KEY, TableFormatError
+
+# Upper ends of the size arguments: --points by time (each point is an mpmath root, ~ms: 10^6 is about an hour
+# per table), the monotonicity grid by memory (checked in `run` against what is free, ~10 float64 arrays of
+# dense_p x dense_delta).
+MAX_POINTS = 1_000_000
+MAX_DENSE = 10 ** 8
+
+
+def monotonicity_violations(table, n_p: int, n_delta: int):
+    """Counts of (upper up in p, lower down in p, upper down in δ, lower up in δ) beyond 1 ulp."""
+    import torch
+
+    from bandpo_lut.tables.reader import bounds
+    t = np.linspace(-36.0, 36.0, n_p)
+    p = 1.0 / (1.0 + np.exp(-t))
+    hi = table.delta_max if table.delta_max_inclusive else math.nextafter(table.delta_max, 0)
+    d = np.exp(np.linspace(math.log(table.delta_min), math.log(hi), n_delta))
+    P = torch.from_numpy(np.repeat(p[None, :], n_delta, 0))
+    D = torch.from_numpy(np.repeat(d[:, None], n_p, 1))
+    lo, up = (x.numpy() for x in bounds(P, D, table.divergence.name, table=table))
+
+    def rises(a, axis):      # a[k+1] > a[k] by more than one ulp
+        return int(np.sum(np.diff(a, axis=axis) > np.spacing(np.abs(np.delete(a, 0, axis=axis)))))
+
+    def falls(a, axis):
+        return int(np.sum(-np.diff(a, axis=axis) > np.spacing(np.abs(np.delete(a, -1, axis=axis)))))
+
+    finite_up = np.where(np.isinf(up), np.finfo(np.float64).max, up)
+    return rises(finite_up, 1), falls(lo, 1), falls(finite_up, 0), rises(lo, 0)
+
+
+def measure(table, points: int, seed: int, t_max: float):
+    """Worst errors of `table` (read in float64 by `bandpo_lut.reference.bounds`) against the mpmath roots at
+    `points` random off-grid (p, δ): (upper max rel err, lower max err, index of each, p, δ). The generator
+    stamps its tables' accuracy with this measurement, and `verify` repeats it."""
+    import torch
+
+    from bandpo_lut.tables.reader import bounds
+    p, d = accuracy.sample_points(points, table.delta_min, table.delta_max, seed, t_max, table.delta_max_inclusive)
+    lo, up = bounds(torch.from_numpy(p), torch.from_numpy(d), table.divergence.name, table=table)
+    rlo, rup = accuracy.exact_bounds_f64(p, d, table.divergence.name)
+    eu, el, iu, il = accuracy.worst(lo.numpy(), up.numpy(), rlo, rup)
+    return eu, el, iu, il, p, d
+
+
+def verify_file(path, points, seed, n_p, n_delta, tolerance=None, out=None) -> bool:
+    out = out or sys.stdout
+    try:
+        table = tables.load(path)
+    except (TableFormatError, OSError) as e:
+        print(f"FAILED {path}: {e}", file=out)
+        return False
+    stated = (table.header.get("accuracy") or {}).get("tolerance", 1e-6)
+    tol = float(stated if tolerance is None else tolerance)
+    name = table.divergence.name
+    eu, el, iu, il, p, d = measure(table, points, seed, table.t.max)
+    mono = monotonicity_violations(table, n_p, n_delta)
+    ok = eu <= tol and el <= tol and not any(mono)
+    h = table.header
+    print(f"{'ok    ' if ok else 'FAILED'} {path}: divergence {name}, delta in [{table.delta_min:g}, "
+          f"{table.delta_max:g}{']' if table.delta_max_inclusive else ')'}, grid {table.t.n}x{table.s.n}, "
+          f"{h['storage_dtype']}, sha256 {h[CHECKSUM_KEY][:12]}", file=out)
+    print(f"     {points} random points vs mpmath: upper max rel err {eu:.2e} (p={p[iu]:.6g}, delta={d[iu]:.4g}); "
+          f"lower max err {el:.2e} (p={p[il]:.6g}, delta={d[il]:.4g}); tolerance {tol:g}", file=out)
+    print(f"     monotone on {n_p}x{n_delta}: violations beyond 1 ulp: upper-in-p {mono[0]}, lower-in-p {mono[1]}, "
+          f"upper-in-delta {mono[2]}, lower-in-delta {mono[3]}", file=out)
+    return ok
+
+

@@ -1,0 +1,176 @@
+"""The command line as a user meets it, in fresh processes: a bad argument prints one argparse-style line
+naming it and exits 2, never a traceback; `verify` reports every file; `verify --tolerance 0` is honoured;
+`generate` checks its output path and --t-max before computing, and Ctrl-C leaves no traceback and no file."""
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import fresh_env, run_fresh
+
+from bandpo_lut.tables import store as tables
+from bandpo_lut.tables import table_format
+
+# Each test starts Python (and most a generation) several times: seconds each. The quick loop has the in-process
+# CLI tests (test_cli.py).
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
+# A generate run that is quick when it runs at all (it must not, for the bad arguments below).
+QUICK = ["--t-density", "1", "--s-nodes", "4", "--ghost", "0", "--dps", "30", "--accuracy-points", "0",
+         "--workers", "1", "--quiet"]
+
+
+def cli(*args, cwd, timeout=300):
+    t0 = time.monotonic()
+    r = run_fresh(["-m", "bandpo_lut.cli", *args], cwd=cwd, timeout=timeout)
+    r.seconds = time.monotonic() - t0
+    return r
+
+
+def assert_usage_error(r, *names):
+    """Exit 2, one `bandpo-lut CMD: error: ...` line naming the argument, the usage above it, no traceback."""
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if re.match(r"bandpo-lut \w+: error: ", line)]
+    assert len(errors) == 1, r.stderr
+    for name in names:
+        assert name in errors[0], (name, errors[0])
+    assert r.stderr.lstrip().startswith("usage: bandpo-lut"), r.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("args, names", [
+    (["generate", "--divergence", "foo"], ["--divergence", "invalid choice: 'foo'", "kl"]),
+    (["generate", "--divergence", "kl", "--t-max", "-1"], ["--t-max", "(0, 700]"]),
+    (["generate", "--divergence", "kl", "--t-max", "1000"], ["--t-max", "(0, 700]"]),
+    (["generate", "--divergence", "kl", "--t-max", "nan"], ["--t-max"]),
+    (["generate", "--divergence", "kl", "--s-nodes", "2"], ["--s-nodes", ">= 4"]),
+    (["generate", "--divergence", "kl", "--dps", "10"], ["--dps", ">= 30"]),
+    (["generate", "--divergence", "kl", "--workers", "-2"], ["--workers", ">= 0"]),
+    (["generate", "--divergence", "kl", "--delta-min", "0"], ["--delta-min", "> 0"]),
+    (["generate", "--divergence", "kl", "--delta-min", "0.5", "--delta-max", "0.1"],
+     ["--delta-min/--delta-max", "min < max"]),
+    (["generate", "--divergence", "kl", "--t-max", "10.3", "--t-density", "4"], ["--t-max", "whole number"]),
+    (["bench", "--repeats", "x"], ["--repeats", "integer"]),
+    (["verify", "--tolerance", "-1", "x.bplut"], ["--tolerance", ">= 0"]),
+    (["verify", "--points", "0", "x.bplut"], ["--points", ">= 1"]),
+])
+def test_bad_arguments_give_one_line_and_exit_2(args, names, tmp_path):
+    # Quick settings first (the arguments under test come last and win), so that a run the validation
+    # failed to stop ends soon.
+    quick = {"generate": QUICK + ["--out", tmp_path / "t.bplut"],
+             "bench": ["--n", "64", "--batch", "1", "--tokens", "8", "--repeats", "1", "--skip-bisection",
+                       "--skip-memory", "--accuracy-points", "0"],
+             "verify": []}[args[0]]
+    r = cli(args[0], *quick, *args[1:], cwd=tmp_path, timeout=120)
+    assert_usage_error(r, *names)
+    assert not (tmp_path / "t.bplut").exists()
+
+
+def test_generate_t_max_too_small_says_the_valid_range_before_computing(tmp_path):
+    """--t-max 3 for kl over δ in [1e-3, 1] cannot hold the tail rules; the error says which T can."""
+    r = cli("generate", "--divergence", "kl", "--t-max", "3", "--out", tmp_path / "kl.bplut",
+            "--accuracy-points", "0", "--workers", "1", "--quiet", cwd=tmp_path, timeout=120)
+    line = assert_usage_error(r, "--t-max", "3 is too small for 'kl'", "T >=")
+    need = float(re.search(r"need T >= ([0-9.]+)", line).group(1))
+    assert 10 < need <= 14, line             # the shipped kl table uses 14
+    assert not (tmp_path / "kl.bplut").exists()
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "a_directory"])
+def test_generate_refuses_an_unwritable_output_before_computing(where, tmp_path):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("not a folder")
+    out = blocker / "kl.bplut" if where == "under_a_file" else tmp_path
+    # The default table would take minutes: an answer within the timeout shows nothing was computed first.
+    r = cli("generate", "--divergence", "kl", "--out", out, "--quiet", "--workers", "1", cwd=tmp_path, timeout=90)
+    assert_usage_error(r, "--out", f"cannot write {out}", "is not a folder" if where == "under_a_file"
+                       else "is a folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]
+
+
+def test_verify_reports_every_file_and_fails_if_any_failed(tmp_path):
+    good = tables.shipped_path("chi2")
+    tf = table_format.decode(good.read_bytes())
+    malformed = dict(tf.header, grid=[1, 2])              # a correct checksum over a malformed header
+    bad = tmp_path / "bad.bplut"
+    bad.write_bytes(table_format.encode(malformed, dict(tf.arrays)))
+    missing = tmp_path / "missing.bplut"
+    r = cli("verify", bad, missing, good, "--points", "20", "--dense-p", "200", "--dense-delta", "20",
+            cwd=tmp_path)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stdout.splitlines()
+    assert any(line.startswith(f"FAILED {bad}: ") and "'grid'" in line for line in lines), r.stdout
+    assert any(line.startswith(f"FAILED {missing}: ") for line in lines), r.stdout
+    assert any(line.startswith("ok") and str(good) in line for line in lines), r.stdout
+    assert "1 of 3 files ok" in r.stdout
+
+
+def test_verify_honours_tolerance_zero(tmp_path):
+    good = tables.shipped_path("chi2")
+    r = cli("verify", good, "--points", "20", "--dense-p", "200", "--dense-delta", "20", "--tolerance", "0",
+            cwd=tmp_path)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert re.search(r"; tolerance 0$", r.stdout, re.M), r.stdout
+    eu = float(re.search(r"upper max rel err ([0-9.e+-]+)", r.stdout).group(1))
+    el = float(re.search(r"lower max err ([0-9.e+-]+)", r.stdout).group(1))
+    # strict: any error at all fails it (the header's 1e-6 would pass this table)
+    assert r.returncode == (1 if eu > 0 or el > 0 else 0), r.stdout
+    r = cli("verify", good, "--points", "20", "--dense-p", "200", "--dense-delta", "20", cwd=tmp_path)
+    assert r.returncode == 0 and "tolerance 1e-06" in r.stdout, r.stdout
+
+
+def _read_until(fd, done, seconds):
+    """Bytes read from `fd` until done(text so far) or EOF or `seconds` have passed."""
+    text, deadline = "", time.monotonic() + seconds
+    while not done(text) and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 1.0)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            text += chunk.decode(errors="replace")
+    return text
+
+
+def _default_sigint():
+    # A terminal's foreground job reacts to Ctrl-C; a test run started in the background of a non-interactive
+    # shell (nohup, `&`) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("workers", [2, 1])
+def test_ctrl_c_in_generate_prints_one_line_and_leaves_no_file(workers, tmp_path):
+    """Ctrl-C reaches the terminal's whole process group, the pool's workers included."""
+    out = tmp_path / "out" / "kl.bplut"
+    proc = subprocess.Popen([sys.executable, "-m", "bandpo_lut.cli", "generate", "--divergence", "kl", "--out",
+                             str(out), "--accuracy-points", "0", "--workers", str(workers)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path, env=fresh_env(),
+                            start_new_session=True, preexec_fn=_default_sigint)
+    try:
+        fd = proc.stderr.fileno()
+        # Wait until the computation has started (the progress bar shows), then interrupt.
+        stderr = _read_until(fd, lambda text: "rows of log(delta)" in text, 120)
+        assert "rows of log(delta)" in stderr, stderr
+        time.sleep(1.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        stderr += _read_until(fd, lambda text: False, 60)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stderr.close()
+    assert proc.returncode == 130, (proc.returncode, stderr)
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    lines = [line for line in stderr.replace("\r", "\n").splitlines() if "interrupted" in line]
+    assert lines == [f"bandpo-lut generate: interrupted; no table written ({out} unchanged)"], stderr
+    assert not out.exists()
+    assert not any(out.parent.iterdir()), list(out.parent.iterdir())   # no temporary file either

@@ -1,0 +1,70 @@
+"""The OpenRLHF plug-in (bandpo_lut.integrations.openrlhf) against the real openrlhf (pinned in
+requirements-openrlhf.txt, with the real deepspeed its loss module's utils import).
+
+openrlhf 0.11.2 pins flash-attn (a CUDA build), ray 2.55 and transformers 5.15, so it is installed apart,
+without dependencies, into a folder of its own (``.openrlhf-site`` at the repository root, or
+``$BANDPO_OPENRLHF_SITE``)::
+
+    pip install --no-deps --no-build-isolation --target .openrlhf-site -r requirements-openrlhf.txt
+
+and the checks (tests/support/openrlhf_checks.py) run once, in a fresh interpreter with that folder on PYTHONPATH
+(after the tested package and the venv, so that openrlhf's own top-level ``tests`` package shadows
+nothing). A missing folder is an error, not a skip; BANDPO_SKIP_INTEGRATIONS=1 skips this module.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("BANDPO_SKIP_INTEGRATIONS") == "1":
+    pytest.skip("BANDPO_SKIP_INTEGRATIONS=1", allow_module_level=True)
+
+from helpers import apart_env, run_check_script, run_fresh  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.subprocess, pytest.mark.slow]
+
+
+def site_env():
+    return apart_env("BANDPO_OPENRLHF_SITE", ".openrlhf-site", "openrlhf", first=False)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_check_script("openrlhf_checks.py", site_env(), tmp_path_factory.mktemp("openrlhf"))
+
+
+CHECKS = {
+    "real_packages": "openrlhf.models.loss, .utils and deepspeed are the real installed modules",
+    "token_mean_equals_policy_loss": "loss and gradient equal bandpo_lut.policy_loss (paper's settings)",
+    "aggregations_equal_openrlhfs_aggregate_loss": "token-mean and seq-mean-token-mean, local and global "
+                                                   "(dp_size, batch_num_tokens, global_batch_size): an "
+                                                   "independent band loss through OpenRLHF's aggregate_loss",
+    "fixed_is_openrlhfs_loss_bit_for_bit": "band.clip=fixed is OpenRLHF's PolicyLoss, bit for bit",
+    "band_metrics_in_openrlhfs_logging": "ppo_clip_ratio/ppo_kl as OpenRLHF's; band_* 0-dim metrics reach "
+                                         "experience.info",
+    "rounding_positive_old_log_prob": "an old log-prob of +6e-8 is p = 1 (finite loss and gradient)",
+    "bad_settings_refused_naming_the_argument": "impossible settings and unsupported OpenRLHF modes refused, "
+                                                "naming the argument (the launcher: before Ray)",
+    "paper_defaults_and_launcher_args": "the paper's settings by default; --band.* removed from OpenRLHF's "
+                                        "arguments; None turns the cap off",
+    "activate_rebinds_policyloss_and_ray_hook": "activate() makes PolicyLoss(...) build the band loss; the "
+                                                "launcher's ray.init adds the worker hook and settings",
+    "version_policy": "tested version silent; untested same-structure warns; changed convention refused",
+}
+
+
+@pytest.mark.parametrize("name", list(CHECKS), ids=list(CHECKS))
+def test_openrlhf(results, name):
+    ok, detail = results[name]
+    assert ok, f"{CHECKS[name]}: {detail}"
+
+
+def test_launcher_refuses_before_ray(tmp_path):
+    """The documented command line with an impossible band: refused, naming the argument, before
+    OpenRLHF's trainer (and Ray) is imported."""
+    proc = run_fresh(["-m", "bandpo_lut.integrations.openrlhf", "--actor.model_name_or_path", "Qwen/Qwen3-0.6B",
+                      "--band.delta", "7"], cwd=tmp_path, env=site_env())
+    assert proc.returncode != 0
+    assert "--band.delta=7.0 is outside the range" in proc.stderr, proc.stderr[-2000:]
+    assert "train_ppo_ray" not in proc.stderr and "ray/" not in proc.stderr, proc.stderr[-2000:]

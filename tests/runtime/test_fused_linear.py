@@ -1,0 +1,291 @@
+"""fused_linear_policy_loss against the unfused path: log_softmax((h @ W.T + b) / T) -> gather ->
+bandpo_lut.policy_loss (itself tested against the pure-PyTorch reference), plus beta times the k3 KL
+aggregated by the reference's `_aggregate`. Loss, metrics and the gradients of hidden, weight and bias."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from helpers import run_fresh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import bandpo_lut
+from bandpo_lut.reference.policy_loss import _aggregate
+from bandpo_lut.runtime.loss_spec import AGGS, CLIPS, MODES
+
+B, T, H, V = 3, 7, 16, 50
+
+
+def unfused(hidden, weight, ids, old, adv, mask, *, bias=None, temperature=1.0, ref=None, beta=0.0, **kw):
+    logits = hidden @ weight.t()
+    if bias is not None:
+        logits = logits + bias
+    ids = ids.clamp(0, weight.shape[0] - 1)   # the -100 labels of the adversarial batch are all masked
+    lp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    loss, metrics = bandpo_lut.policy_loss(lp, old, adv, mask, **kw)
+    if ref is not None:
+        w = torch.ones_like(lp) if mask is None else mask.to(lp.dtype)
+        d = torch.where(w != 0, ref - lp, torch.zeros_like(lp))   # garbage on ignored tokens stays out
+        k3 = w * (torch.exp(d) - d - 1)
+        loss = loss + beta * _aggregate(k3, w, kw.get("agg", "token-mean"))
+    return loss, metrics, lp
+
+
+def batch(seed=0, adversarial=False, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) / 2).to(dtype).requires_grad_()
+    bias = torch.randn(V, generator=g).to(dtype).requires_grad_()
+    ids = torch.randint(0, V, (B, T), generator=g)
+    with torch.no_grad():
+        lp = unfused(hidden, weight, ids, torch.zeros(B, T), torch.zeros(B, T), None, bias=bias)[2]
+    old = lp + 0.3 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, T, generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.25
+    if adversarial:
+        old[0, :3] = lp[0, :3] + torch.tensor([8.0, -8.0, 30.0])   # ratios far outside any band
+        old[0, 3:] = -40.0                                         # p_old -> 0
+        old[2, :4] = -1e-7                                         # p_old -> 1
+        adv[0] = torch.tensor([1.0, -1.0, -2.0, 1.0, -1.0, 2.0, -3.0])
+        mask[1] = False                                            # an empty row
+        old[1] = math.nan                                          # ... whose inputs are garbage
+        ids[1, 0] = -100                                           # ... including an ignored label
+    ref = old + 0.2 * torch.randn(B, T, generator=g)
+    return hidden, weight, bias, ids, old.clamp(max=0.0), adv, mask, ref.clamp(max=0.0)
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30)).item()
+
+
+def check_equal(kw, *, seed=0, adversarial=False, beta=0.0, temperature=1.0, chunk_size=5, use_bias=True, tol=1e-5):
+    hidden, weight, bias, ids, old, adv, mask, ref = batch(seed, adversarial)
+    bias = bias if use_bias else None
+    extra = dict(ref=ref, beta=beta) if beta else {}
+    loss0, m0, _ = unfused(hidden, weight, ids, old, adv, mask, bias=bias, temperature=temperature, **extra, **kw)
+    params = (hidden, weight) + ((bias,) if use_bias else ())
+    g0 = torch.autograd.grad(loss0, params)
+    loss1, m1 = bandpo_lut.fused_linear_policy_loss(
+        hidden, weight, ids, old, adv, mask, bias=bias, temperature=temperature, chunk_size=chunk_size,
+        ref_log_prob=ref if beta else None, beta=beta, **kw)
+    g1 = torch.autograd.grad(loss1, params)
+    assert torch.isfinite(loss0)
+    assert abs(loss1.item() - loss0.item()) <= tol * max(abs(loss0.item()), 1e-6), (loss1, loss0)
+    for name, a, b in zip(("hidden", "weight", "bias"), g1, g0):
+        assert rel_err(a, b) <= tol, (name, rel_err(a, b))
+    for k, v in m0.items():
+        assert torch.allclose(m1[k], v, rtol=1e-5, atol=1e-6), (k, m1[k], v)
+
+
+@pytest.mark.parametrize("agg,clip", list(itertools.product(AGGS, CLIPS)))
+def test_equals_unfused_every_option(agg, clip):
+    for i, (mode, dual_clip, adversarial) in enumerate(itertools.product(MODES, (None, 3.0), (False, True))):
+        check_equal(dict(agg=agg, clip=clip, mode=mode, dual_clip=dual_clip), seed=i, adversarial=adversarial,
+                    beta=0.04 * (i % 2), temperature=(1.0, 0.7)[i % 2], chunk_size=(5, 4, 21, 64)[i % 4])
+
+
+def test_equals_unfused_band_options():
+    _, _, _, _, old, _, _, _ = batch()
+    per_token_delta = torch.linspace(0.02, 0.2, B * T).reshape(B, T)
+    for kw in (dict(max_ratio=2.0, dual_clip=10.0), dict(divergence="tv", delta=0.1),
+               dict(delta=per_token_delta), dict(delta=per_token_delta[:1])):
+        check_equal(kw, adversarial=True, beta=0.1)
+    check_equal(dict(clip="fixed", eps_low=0.2, eps_high=0.28), use_bias=False, chunk_size=1)
+    check_equal(dict(), chunk_size=None)   # default chunk: all tokens at this size
+
+
+def test_metrics_entropy_and_kl():
+    hidden, weight, bias, ids, old, adv, mask, ref = batch(3, adversarial=True)
+    loss, metrics, entropy = bandpo_lut.fused_linear_policy_loss(
+        hidden, weight, ids, old, adv, mask, bias=bias, temperature=0.5, chunk_size=4, ref_log_prob=ref,
+        return_entropy=True)
+    logq = torch.log_softmax((hidden @ weight.t() + bias).double() / 0.5, dim=-1)
+    assert torch.allclose(entropy.double(), -(logq.exp() * logq).sum(-1), rtol=1e-5, atol=1e-6)
+    lp = logq.gather(-1, ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    w = mask.double()
+    d = torch.where(mask, ref.double() - lp, torch.zeros_like(lp))
+    kl = ((torch.exp(d) - d - 1) * w).sum() / w.sum()
+    assert torch.allclose(metrics["kl"].double(), kl, rtol=1e-5)
+    # beta = 0 with a reference: the KL is reported, the loss is policy_loss's alone
+    loss0, _, _ = unfused(hidden, weight, ids, old, adv, mask, bias=bias, temperature=0.5)
+    assert torch.allclose(loss, loss0, rtol=1e-5)
+
+
+def test_frozen_head_and_no_grad():
+    hidden, weight, bias, ids, old, adv, mask, _ = batch(1)
+    weight.requires_grad_(False)
+    loss0, _, _ = unfused(hidden, weight, ids, old, adv, mask)
+    loss1, _ = bandpo_lut.fused_linear_policy_loss(hidden, weight, ids, old, adv, mask, chunk_size=4)
+    (g0,), (g1,) = torch.autograd.grad(loss0, hidden), torch.autograd.grad(loss1, hidden)
+    assert rel_err(g1, g0) <= 1e-5
+    with torch.no_grad():
+        loss2, _ = bandpo_lut.fused_linear_policy_loss(hidden, weight, ids, old, adv, mask, chunk_size=4)
+    assert loss2.item() == loss1.item() and not loss2.requires_grad
+    # the incoming gradient scales every gradient
+    loss3, _ = bandpo_lut.fused_linear_policy_loss(hidden, weight, ids, old, adv, mask, chunk_size=4)
+    (g3,) = torch.autograd.grad(2.5 * loss3, hidden)
+    assert rel_err(g3, 2.5 * g0) <= 1e-5
+
+
+def test_bfloat16():
+    """bf16 hidden/head: bf16 matmuls, float32 softmax, against the unfused path on the same bf16 tensors (its
+    logits rounded to bf16 once, then float32). The paths differ by where bf16 rounding happens: the chunked
+    matmuls may round a logit or a gradient entry one bf16 ulp (2**-8 relative) differently, and the weight's
+    gradient is summed over chunks in float32 here but rounded once to bf16 there. 2e-2 of the largest entry
+    is a few such ulps; a wrong formula is off by O(1)."""
+    hidden, weight, bias, ids, old, adv, mask, ref = batch(4, adversarial=True, dtype=torch.bfloat16)
+    kw = dict(agg="seq-mean-token-mean", dual_clip=3.0)
+    loss0, m0, _ = unfused(hidden, weight, ids, old, adv, mask, bias=bias, ref=ref, beta=0.1, **kw)
+    g0 = torch.autograd.grad(loss0, (hidden, weight, bias))
+    loss1, m1 = bandpo_lut.fused_linear_policy_loss(hidden, weight, ids, old, adv, mask, bias=bias, chunk_size=5,
+                                                    ref_log_prob=ref, beta=0.1, **kw)
+    g1 = torch.autograd.grad(loss1, (hidden, weight, bias))
+    assert loss1.dtype == torch.float32
+    assert abs(loss1.item() - loss0.item()) <= 1e-3 * abs(loss0.item())
+    for a, b in zip(g1, g0):
+        assert a.dtype == torch.bfloat16 and rel_err(a, b) <= 2e-2, rel_err(a, b)
+    assert m1["n_tokens"] == m0["n_tokens"]
+
+
+def test_out_of_range_token_ids_give_nan_not_a_sync():
+    hidden, weight, bias, ids, old, adv, mask, _ = batch(5)
+    bad = ids.clone()
+    bad[0, 0], bad[2, 1] = V, -1
+    mask[0, 0], mask[2, 1] = True, False
+    loss, _ = bandpo_lut.fused_linear_policy_loss(hidden, weight, bad, old, adv, mask, chunk_size=4)
+    (g,) = torch.autograd.grad(loss, hidden)
+    assert torch.isnan(loss)
+    # the NaN log-prob gets policy_loss's gradient at a NaN log-prob (its log-ratio clamp's: zero)
+    lp = torch.full((1, 1), math.nan, requires_grad=True)
+    (g_nan,) = torch.autograd.grad(bandpo_lut.policy_loss(lp, old[:1, :1], adv[:1, :1])[0], lp)
+    assert torch.all(g[0, 0] == g_nan)
+    # masked out-of-range ids (e.g. -100 on padding) are ignored like any masked token's inputs
+    mask[0, 0] = False
+    loss, _ = bandpo_lut.fused_linear_policy_loss(hidden, weight, bad, old, adv, mask, chunk_size=4)
+    loss0, _, _ = unfused(hidden, weight, bad.clamp(0, V - 1), old, adv, mask)
+    assert torch.allclose(loss, loss0, rtol=1e-5)
+
+
+def test_errors():
+    hidden, weight, bias, ids, old, adv, mask, ref = batch(6)
+    f = bandpo_lut.fused_linear_policy_loss
+    cases = [
+        ((hidden[0], weight, ids, old, adv), {}, ValueError, "hidden must have shape"),
+        ((hidden, weight[:, :3], ids, old, adv), {}, ValueError, "weight must have shape"),
+        ((hidden, weight.double(), ids, old, adv), {}, ValueError, "weight is torch.float64"),
+        ((hidden, weight, ids.float(), old, adv), {}, TypeError, "token_ids must be an integer"),
+        ((hidden, weight, ids[:, :3], old, adv), {}, ValueError, "token_ids has shape"),
+        ((hidden, weight, ids, old[:, :3], adv), {}, ValueError, "old_log_prob has shape"),
+        ((hidden, weight, ids, old, adv), dict(bias=bias[:3]), ValueError, "bias must be None or a"),
+        ((hidden, weight, ids, old, adv), dict(temperature=0.0), ValueError, "temperature"),
+        ((hidden, weight, ids, old, adv), dict(chunk_size=0), ValueError, "chunk_size"),
+        ((hidden, weight, ids, old, adv), dict(beta=0.1), ValueError, "needs ref_log_prob"),
+        ((hidden, weight, ids, old, adv), dict(ref_log_prob=ref[:1]), ValueError, "ref_log_prob must have"),
+        ((hidden, weight, ids, old, adv), dict(agg="mean"), ValueError, "unknown agg"),
+        ((hidden, weight.to("meta"), ids, old, adv), {}, ValueError, "on meta"),
+        ((hidden, weight, ids.to("meta"), old, adv), {}, ValueError, "token_ids is on meta"),
+    ]
+    for args, kw, err, msg in cases:
+        with pytest.raises(err, match=msg):
+            f(*args, **kw)
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """The largest tensor any op returns (numel), i.e. the largest single allocation."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _largest(fn, *args, **kw):
+    with _LargestAllocation() as mode:
+        loss = fn(*args, **kw)[0]
+        loss.backward()
+    return mode.largest
+
+
+def test_memory_bounded_by_the_chunk():
+    """No tensor of tokens x vocab: every allocation is at most a chunk's logits or a gradient's size, at N
+    and at 2N tokens, while the unfused path allocates the full logits."""
+    vocab, width, chunk = 2000, 4, 8
+    for steps in (64, 128):
+        g = torch.Generator().manual_seed(steps)
+        hidden = torch.randn(2, steps, width, generator=g, requires_grad=True)
+        weight = torch.randn(vocab, width, generator=g, requires_grad=True)
+        ids = torch.randint(0, vocab, (2, steps), generator=g)
+        old, adv = -torch.rand(2, steps, generator=g), torch.randn(2, steps, generator=g)
+        fused = _largest(bandpo_lut.fused_linear_policy_loss, hidden, weight, ids, old, adv, chunk_size=chunk)
+        assert fused <= chunk * vocab, fused
+        assert _largest(unfused, hidden, weight, ids, old, adv, None) >= 2 * steps * vocab
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_compiles_fullgraph_in_a_fresh_process(tmp_path):
+    code = """
+import torch, bandpo_lut
+g = torch.Generator().manual_seed(0)
+h = torch.randn(2, 5, 8, generator=g, requires_grad=True); W = torch.randn(30, 8, generator=g, requires_grad=True)
+ids = torch.randint(0, 30, (2, 5), generator=g)
+old, adv = -torch.rand(2, 5, generator=g), torch.randn(2, 5, generator=g)
+mask = torch.rand(2, 5, generator=g) > 0.2
+def f(h, W):
+    loss, m, ent = bandpo_lut.fused_linear_policy_loss(h, W, ids, old, adv, mask, chunk_size=4, dual_clip=3.0,
+                                                       return_entropy=True)
+    return loss, m["clip_frac"], ent
+compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+l1, c1, e1 = compiled(h, W); g1 = torch.autograd.grad(l1, (h, W))
+l0, c0, e0 = f(h, W); g0 = torch.autograd.grad(l0, (h, W))
+assert torch.equal(l1, l0) and torch.equal(c1, c0) and torch.allclose(e1, e0)
+assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-9) for a, b in zip(g1, g0))
+print("OK")
+"""
+    out = run_fresh(["-c", code], cwd=tmp_path, check=True)
+    assert "OK" in out.stdout
+
+
+def test_inductor_cpu_unequal_chunks_match_unfused_eager(tmp_path):
+    """Inductor on CPU, 80 tokens in chunks of 48 + 32 (T = 40 does not divide 48). The per-token copy of
+    row_scale (and of any per-row value: a per-sequence delta, advantages expanded from (batch, 1)) was a
+    generated loop reading row token // T, which Inductor's floor-division loop split cut to 40 iterations:
+    tokens 40..47 of the first chunk got uninitialised scales, hence NaN or wrong gradients (the first case
+    below failed so before the fix; the second covers the broadcast inputs). Reference: the unfused eager loss
+    (log_softmax + policy_loss, autograd)."""
+    code = """
+import torch, bandpo_lut
+g = torch.Generator().manual_seed(0)
+B, T, H, V = 2, 40, 32, 500
+h = torch.randn(B, T, H, generator=g, requires_grad=True)
+W = (torch.randn(V, H, generator=g) / 10).requires_grad_()
+ids = torch.randint(0, V, (B, T), generator=g)
+old = -torch.rand(B, T, generator=g) * 3 - 1
+adv_row = torch.randn(B, 1, generator=g)
+mask = torch.rand(B, T, generator=g) > 0.2
+cases = {"dense": (adv_row.expand(B, T).clone(), 0.05),
+         "per-sequence adv and delta": (adv_row.expand(B, T), torch.tensor([[0.05], [0.1]]))}
+for name, (adv, delta) in cases.items():
+    def fused(h, W):
+        return bandpo_lut.fused_linear_policy_loss(h, W, ids, old, adv, mask, delta=delta, chunk_size=48)[0]
+    def unfused(h, W):
+        lp = torch.log_softmax(h @ W.t(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        return bandpo_lut.policy_loss(lp, old, adv, mask, delta=delta)[0]
+    l1 = torch.compile(fused, fullgraph=True, backend="inductor")(h, W); g1 = torch.autograd.grad(l1, (h, W))
+    l0 = unfused(h, W); g0 = torch.autograd.grad(l0, (h, W))
+    assert torch.allclose(l1, l0, rtol=1e-5), (name, l1, l0)
+    for what, a, b in zip(("hidden", "weight"), g1, g0):
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err < 1e-5, (name, what, err)
+print("OK")
+"""
+    out = run_fresh(["-c", code], cwd=tmp_path, check=True)
+    assert "OK" in out.stdout

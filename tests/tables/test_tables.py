@@ -1,0 +1,105 @@
+"""Tables: deterministic generation, the shipped tables' size, accuracy and monotonicity through the pure-PyTorch
+reader against mpmath, the reference reader's special values. The file format and its refusals:
+test_tables_integrity.py; the exact solver: test_tables_exact.py; generate/verify on the command line: test_cli.py."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from helpers import SMALL_KL, rel_error_lower, rel_error_upper
+
+from bandpo_lut.reference.bounds import bounds as ref_bounds
+from bandpo_lut.tables import accuracy
+from bandpo_lut.tables import store as tables
+from bandpo_lut.tables.generate import generate
+from bandpo_lut.tables.verify import monotonicity_violations
+
+
+@pytest.mark.slow
+def test_generation_is_deterministic(small_blob):
+    assert generate("kl", **SMALL_KL) == small_blob
+
+
+def test_delta_outside_range_is_refused():
+    with pytest.raises(ValueError, match=r"delta: 2.0 is outside"):
+        ref_bounds(torch.tensor([0.5]), 2.0, "kl")
+    with pytest.raises(ValueError, match="outside"):
+        ref_bounds(torch.tensor([0.5]), 1.0, "tv")          # tv's range excludes 1
+    with pytest.raises(ValueError, match="outside"):
+        ref_bounds(torch.tensor([0.5]), 1e-4, "chi2")
+    lo, up = ref_bounds(torch.tensor([0.5, 0.5]), torch.tensor([0.05, 5.0]), "kl")   # tensor: NaN, no sync
+    assert not torch.isnan(lo[0]) and torch.isnan(lo[1]) and torch.isnan(up[1])
+
+
+def test_shipped_tables_are_small():
+    for name in tables.SHIPPED:
+        path = tables.shipped_path(name)
+        assert path.stat().st_size <= 512 * 1024, path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", tables.SHIPPED)
+def test_shipped_tables_accuracy_against_mpmath(name):
+    table = tables.get(name)
+    p, d = accuracy.sample_points(400, table.delta_min, table.delta_max, seed=777, t_max=table.t.max,
+                                  delta_max_inclusive=table.delta_max_inclusive)
+    p[:8] = [1e-9, 3e-12, 1e-300, 0.0, 1.0, 1 - 1e-7, 1 - 3e-10, 0.5]   # whole range, with the edges
+    lo, up = ref_bounds(torch.from_numpy(p), torch.from_numpy(d), name)
+    rlo, rup = accuracy.exact_bounds_f64(p, d, name)
+    eu = rel_error_upper(up, torch.from_numpy(rup))
+    el = rel_error_lower(lo, torch.from_numpy(rlo))
+    assert eu.max() <= 2e-7, (name, p[eu.argmax()], d[eu.argmax()])
+    assert el.max() <= 2e-7, (name, p[el.argmax()], d[el.argmax()])
+    # float32 inputs: same reader, results rounded to float32
+    lo32, up32 = ref_bounds(torch.from_numpy(p).float(), torch.from_numpy(d), name)
+    rlo32, rup32 = accuracy.exact_bounds_f64(p.astype(np.float32).astype(np.float64), d, name)
+    assert lo32.dtype == torch.float32
+    assert rel_error_upper(up32, torch.from_numpy(rup32)).max() <= 2e-7
+    assert rel_error_lower(lo32, torch.from_numpy(rlo32), torch.float32).max() <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", tables.SHIPPED)
+def test_shipped_tables_are_monotone(name):
+    assert monotonicity_violations(tables.get(name), 4000, 200) == (0, 0, 0, 0)
+
+
+def test_reference_log_p_old_keeps_accuracy_near_one():
+    lp = torch.tensor([-1e-12, -1e-9, -3e-8, -1e-5, 0.0, -math.inf], dtype=torch.float64)
+    lo, up = ref_bounds(log_p_old=lp, delta=0.05, divergence="kl")
+    for i, v in enumerate(lp.tolist()):
+        import mpmath
+
+        from bandpo_lut.tables import exact
+        rlo, rup = exact.bounds_from_logp(v, 0.05, "kl") if v > -math.inf else (0, mpmath.inf)
+        assert float(lo[i]) == pytest.approx(float(rlo), rel=2e-7, abs=0)
+        assert float(up[i]) == pytest.approx(float(rup), rel=2e-7)
+
+
+def test_reference_special_values():
+    p = torch.tensor([0.0, 1.0, math.nan, -0.1, 1.5], dtype=torch.float64)
+    lo, up = ref_bounds(p, 0.05, "kl")
+    assert lo[0] == 0 and math.isinf(up[0])
+    assert float(lo[1]) == pytest.approx(math.exp(-0.05), rel=1e-12) and up[1] == 1
+    assert torch.isnan(lo[2:]).all() and torch.isnan(up[2:]).all()
+    with pytest.raises(ValueError, match="exactly one"):
+        ref_bounds(p, 0.05, log_p_old=p)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        ref_bounds(torch.tensor([1, 2]), 0.05)
+
+
+def test_float32_worst_rounds_the_truth_and_counts_nan():
+    """The error measure of the float32 accuracy figures (bench, tools/measure_accuracy.py)."""
+    worst32 = accuracy.float32_worst
+    ref_lo, ref_up = np.array([0.5 + 1e-9, 1e-46, 0.25]), np.array([1.0, 3.0, 4e40])
+    # truth rounded to float32 (0.5, 0, 4e40 -> inf): exact; an upper bound 10% high
+    eu, el = worst32([0.5, 0.0, 0.25], [1.1, 3.0, float("inf")], ref_lo, ref_up)
+    assert el == 0.0 and math.isclose(eu, 0.1, rel_tol=1e-12)
+    # NaN anywhere (not only first) is infinitely wrong
+    assert worst32([0.5, 0.0, 0.25], [1.0, 3.0, float("nan")], ref_lo, ref_up)[0] == math.inf
+    assert worst32([0.5, float("nan"), 0.25], [1.0, 3.0, float("inf")], ref_lo, ref_up)[1] == math.inf
+    # a lower bound off by more than the subnormal floor is measured, relative to r*(1 + |ln r*|)
+    _, el = worst32([0.5, 0.0, 0.26], [1.0, 3.0, float("inf")], ref_lo, ref_up)
+    assert math.isclose(el, 0.01 / (0.25 * (1 + math.log(4))), rel_tol=1e-6)
