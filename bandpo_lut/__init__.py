@@ -7,11 +7,11 @@ Importing the package compiles nothing; it loads the compiled extension when the
 ms), so that a saved program using the ops (torch.export.load, torch.jit.load) finds them after
 `import bandpo_lut` alone. A missing or unfit extension is reported, with what to do, on first use.
 """
-__version__ = "0.1.0"
-
-from bandpo_lut.runtime.api import bounds, clip  # noqa: E402
-from bandpo_lut.runtime.loss import COUNTS, FRACTIONS, BandPolicyLoss, metrics_from_counts, policy_loss  # noqa: E402
-from bandpo_lut.tables.divergences import names as divergence_names  # noqa: E402
+from bandpo_lut import _moved
+from bandpo_lut._version import __version__
+from bandpo_lut.runtime.api import bounds, clip
+from bandpo_lut.runtime.loss import COUNTS, FRACTIONS, BandPolicyLoss, metrics_from_counts, policy_loss
+from bandpo_lut.tables.divergences import names as divergence_names
 
 
 def _register_ops() -> None:
@@ -22,6 +22,7 @@ def _register_ops() -> None:
 
 
 _register_ops()
+_moved.install()   # the 0.1 import paths (bandpo_lut.loss, ...), for one release
 
 
 def build_info() -> dict:

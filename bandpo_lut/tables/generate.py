@@ -31,7 +31,7 @@ import time
 import mpmath
 import numpy as np
 
-from bandpo_lut import __version__
+from bandpo_lut._version import __version__
 from bandpo_lut.tables import divergences, exact, table_format
 
 DEFAULTS = dict(t_max=14.0, t_density=16, delta_min=1e-3, delta_max=1.0, s_nodes=113, ghost=12, dps=40,

@@ -1,1 +1,2 @@
-"""`bandpo-lut bench`: speed and memory of the ops, the loss and the fused-linear loss."""
+"""`bandpo-lut bench`: speed and memory of the ops and the losses (`command`: the subcommand and the op/loss rows;
+`fused_linear`: the fused-linear loss against the unfused one)."""

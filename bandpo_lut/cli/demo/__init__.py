@@ -1,1 +1,2 @@
-"""`bandpo-lut demo`: the toy training tasks that compare BandPO with the baselines."""
+"""`bandpo-lut demo`: toy GRPO tasks comparing BandPO with the baselines (`command`: the subcommand; `tasks`: the
+tasks and methods; `report`: their table and figure)."""
