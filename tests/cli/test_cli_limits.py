@@ -1,4 +1,4 @@
-"""The CLI's sharp edges (issue 22, items 8-10): `generate` never replaces a file without --force (and keeps its
+"""The CLI's sharp edges: `generate` never replaces a file without --force (and keeps its
 mode and symbolic link when forced), refuses an empty --out, refuses a table whose cost is past its limit
 unless forced, and exits 1 when the error it measures exceeds the tolerance it stamps; `bench` and `verify`
 refuse sizes the machine cannot hold or finish, with one error line (exit 2) before allocating anything."""

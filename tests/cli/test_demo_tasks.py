@@ -120,7 +120,7 @@ def test_group_advantages_are_normalised_within_each_group():
     assert torch.equal(adv[1], torch.zeros(4, dtype=torch.float64))
 
 
-# ---- arguments that must stop the demo before any training (issue 22, item 9) ----
+# ---- arguments that must stop the demo before any training ----
 
 def _one_line_error(err: str, name: str) -> None:
     lines = err.strip().splitlines()

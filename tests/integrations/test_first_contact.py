@@ -1,4 +1,4 @@
-"""First contact (issue 12, item 9): what `import bandpo_lut` costs, and what the README's first
+"""First contact: what `import bandpo_lut` costs, and what the README's first
 commands leave behind.
 
 These need neither verl nor TRL, so BANDPO_SKIP_INTEGRATIONS does not skip them.

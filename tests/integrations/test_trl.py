@@ -658,7 +658,7 @@ def test_trl_with_a_different_structure_is_refused(monkeypatch, name, replacemen
 
 
 # ---------------------------------------------------------------------------------------------
-# paths on which a setting was silently not what trains (issue 17, items 1-6 and 8)
+# paths on which a setting was once silently not what trains
 
 
 def test_liger_kernel_is_refused_when_the_config_is_built(tmp_path):

@@ -569,7 +569,7 @@ def test_example_launch_script_builds_the_papers_config(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# verl's own clip settings under loss_mode=bandpo, and rounding-positive old log-probs (issue 17)
+# verl's own clip settings under loss_mode=bandpo, and rounding-positive old log-probs
 
 
 def _bandpo_warnings(record) -> list[str]:

@@ -1,6 +1,6 @@
 """The reference policy loss against a deliberately naive float64 implementation (python loops).
 
-The naive version below is written from the definition in issue 4 (max of the two surrogates, dual
+The naive version below is written from the loss's definition (max of the two surrogates, dual
 cap, then the aggregation), not from the reference's where-chains, so the two check each other.
 BandPO's bounds come from `bandpo_lut.reference.bounds` (the table reader, tested on its own), called
 token by token in the naive version.

@@ -1,6 +1,7 @@
 """The first use of the package in a fresh process may be torch.compile (default, fullgraph, dynamic, with
 backward), torch.export, a FakeTensorMode or a δ schedule under fullgraph; each must work, and eager use
-afterwards in the same process must be unaffected. One subprocess per scenario (tests/support/first_use_scenarios.py)."""
+afterwards in the same process must be unaffected. One subprocess per scenario
+(tests/support/first_use_scenarios.py)."""
 from __future__ import annotations
 
 from pathlib import Path

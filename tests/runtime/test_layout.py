@@ -173,7 +173,7 @@ def test_policy_loss_ignores_layout(device, divergence, dtype, delta_mode):
 
 
 def test_transposed_log_prob_gets_its_own_gradient(device):
-    # issue 10, item 1: a (T, B) tensor seen through .t()
+    # a sequence-first (T, B) tensor seen through .t()
     b = (torch.randn(3, 2, dtype=torch.float64, device=device) - 1).clamp(max=0).requires_grad_()
     olp = (b.t().detach() + 0.1).clamp(max=0)
     adv = torch.tensor([[1.0, 2, 3], [4, 5, 6]], dtype=torch.float64, device=device)

@@ -1,4 +1,4 @@
-"""The cases that used to be CUDA-only limits (issue 13), on every available device: many non-collapsible
+"""The cases that used to be CUDA-only limits, on every available device: many non-collapsible
 dimensions, dense tables whose scalar-δ cells exceed 48 KB of shared memory, many rows and long rows, run-to-run
 determinism; and, where a GPU is present, a side stream, a CUDA-graph capture (the scalar-δ cell cache) and more
 than 2^31 elements (64-bit indexing). tools/gpu_check.py runs these with every other CUDA test (`pytest -m cuda`)."""

@@ -108,7 +108,8 @@ def apart_env(env_var: str, default_folder: str, package: str, *, first: bool) -
 
 
 def run_check_script(name: str, env: dict, cwd) -> dict:
-    """Run tests/NAME (a trainer plug-in's checks, tests/support/plugin_checks.py) in a fresh interpreter; its JSON results."""
+    """Run tests/support/NAME (a trainer plug-in's checks, plugin_checks.py) in a fresh interpreter; its JSON
+    results."""
     import json
 
     proc = run_fresh([REPO / "tests" / "support" / name], cwd=cwd, env=env, check=True)

@@ -1,4 +1,4 @@
-"""What the trainer plug-ins' check scripts share (tests/support/skyrl_checks.py, tests/support/openrlhf_checks.py). Each script
+"""What the trainer plug-ins' check scripts share (skyrl_checks.py, openrlhf_checks.py, beside this file). Each script
 runs in a fresh interpreter with its trainer's folder on PYTHONPATH (this folder is the script's, so it is
 importable), registers named checks with `check`, and prints `RESULTS` as one JSON object: name -> [ok, detail]."""
 from __future__ import annotations
