@@ -22,7 +22,7 @@ def _register_ops() -> None:
 
 
 _register_ops()
-_moved.install()   # the 0.1 import paths (bandpo_lut.loss, ...), for one release
+_moved.install()   # the import paths of 0.1 (_moved.MOVED), for one release
 
 
 def build_info() -> dict:
