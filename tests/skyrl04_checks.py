@@ -227,6 +227,34 @@ def _():
     return out
 
 
+@check("command_line_as_skyrls_entrypoint")
+def _():
+    """What a user runs: the whole run config from command-line overrides (SkyRL's main_base does
+    SkyRLTrainConfig.from_cli_overrides(sys.argv[1:]); ours is BandPOTrainConfig's)."""
+    from skyrl.train.config import SkyRLTrainConfig
+
+    cfg = bsky.BandPOTrainConfig.from_cli_overrides(["trainer.algorithm.policy_loss_type=bandpo",
+                                                      "trainer.algorithm.band_delta=0.1"])
+    algo = cfg.trainer.algorithm
+    assert isinstance(algo, bsky.BandPOAlgorithmConfig) and algo.band_delta == 0.1, algo
+    assert bsky.check_config(algo)["band_delta"] == 0.1
+    out = []
+    for cls, args, needles in (
+            (bsky.BandPOTrainConfig, ["trainer.algorithm.policy_loss_type=bandpo", "trainer.algorithm.band_dleta=0.2"],
+             ("trainer.algorithm.band_dleta", "band_delta")),
+            (bsky.BandPOTrainConfig, ["trainer.algorithm.band_delta=0.2"], ("policy_loss_type='regular'",)),
+            (SkyRLTrainConfig, ["trainer.algorithm.policy_loss_type=bandpo", "trainer.algorithm.band_delta=0.2"],
+             ("BandPOTrainConfig",))):
+        try:
+            cls.from_cli_overrides(args)
+        except ValueError as exc:
+            assert all(n in str(exc) for n in needles), str(exc)
+            out.append(str(exc)[:70])
+        else:
+            raise AssertionError(f"{cls.__name__} accepted {args}")
+    return out
+
+
 @check("version_policy")
 def _():
     assert metadata.version("skyrl") in bsky.TESTED_SKYRL

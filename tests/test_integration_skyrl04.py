@@ -46,6 +46,8 @@ CHECKS = {
     "misspelt_band_key_refused": "trainer.algorithm.band_dleta refused, suggesting band_delta",
     "band_keys_without_bandpo_refused": "band settings with another policy loss, or on SkyRL's own config "
                                         "class, refused",
+    "command_line_as_skyrls_entrypoint": "BandPOTrainConfig.from_cli_overrides builds the run's config with "
+                                         "the band settings; misspelt / unread / wrong-class band keys refused",
     "version_policy": "tested version silent; untested same-structure warns; changed convention refused",
 }
 
