@@ -1,219 +1,25 @@
-"""BandPO for SkyRL (skyrl-train): importing this module registers the policy loss ``"bandpo"``.
+"""BandPO for SkyRL: importing this module registers the policy loss ``"bandpo"`` in the installed SkyRL.
 
-What a SkyRL user adds: ``import bandpo_lut.integrations.skyrl`` in the entrypoint that starts training
-(SkyRL's way for custom losses: its registry syncs registered functions to the Ray workers), and on
-the command line (the last four lines are the defaults, the paper's settings)::
+Two SkyRL packages are supported behind this one import (docs/integrations.md, "SkyRL"):
 
-    trainer.algorithm.policy_loss_type=bandpo
-    +trainer.algorithm.band_divergence=kl
-    +trainer.algorithm.band_delta=0.05
-    +trainer.algorithm.band_max_ratio=10
-    +trainer.algorithm.band_dual_clip=10
+- ``skyrl`` 0.4 (SkyRL's current package; Python >= 3.12): `_skyrl04`. The band settings are fields of
+  `BandPOAlgorithmConfig` (SkyRL 0.4's config is a dataclass and refuses keys it does not declare); build
+  the run's config with ``BandPOTrainConfig.from_cli_overrides(sys.argv[1:])`` and pass
+  ``trainer.algorithm.policy_loss_type=bandpo trainer.algorithm.band_delta=0.05 ...`` (no ``+``).
+- ``skyrl-train`` 0.3 (its last release, 0.3.1): `_skyrl03`, settings as ``+trainer.algorithm.band_*``.
 
-How it fits SkyRL (tested: `TESTED_SKYRL`):
-
-- **Call convention** (``skyrl_train.utils.ppo_utils``): ``(log_probs, old_log_probs, advantages,
-  config, loss_mask, rollout_logprobs) -> (loss, clip_ratio)`` with ``config`` the
-  ``trainer.algorithm`` section. Checked at import against SkyRL's own ``ppo_policy_loss``; another
-  version with that convention imports with a warning, one without it is refused.
-- **Settings** come from ``trainer.algorithm.band_*`` (``+`` because they are new keys), defaulting
-  to the paper's; a bad one is refused, naming the key, by SkyRL's own start-up validation
-  (``skyrl_train.utils.validate_cfg``, in the driver before Ray starts, once this module is imported
-  first), by `check_config`, and at the latest at the first loss call.
-- **Aggregation**: ``trainer.algorithm.loss_reduction`` ("token_mean", "sequence_mean",
-  "seq_mean_token_sum_norm") exactly as SkyRL's ``reduce_loss`` (sequence_mean averages over all
-  sequences, empty ones counting 0; seq_mean_token_sum_norm divides by ``max_seq_len``).
-- **TIS** (``use_tis``): each token's loss times SkyRL's truncated importance weight
-  ``min(exp(clamp(old - rollout, ±20)), tis_imp_ratio_cap)``, folded into the advantage (exact for a
-  weight >= 0, as in the verl plug-in).
-- **band_clip="fixed"** runs SkyRL's own ``ppo_policy_loss`` ("dual_clip" with
-  ``clip_ratio_c = band_dual_clip``, "regular" without a dual clip), so the loss is SkyRL's, bit for
-  bit, with ``eps_clip_low/high``.
-- **clip_ratio**: SkyRL expects a Python float (its own losses call ``.item()``, and its worker calls
-  ``.item()`` on the loss right after), so ours is ``float(clip_frac)``: one host synchronisation per
-  micro-batch, SkyRL's convention. The other band metrics are not in SkyRL's per-loss return value.
-- **Old log-probabilities** pass to bandpo_lut unchanged: one in (0, 2^-9] (rounding) is p = 1 there.
+Where the ``skyrl`` package is installed it is the one used (its import errors are raised, not hidden by a
+fall-back); otherwise skyrl-train. Each follows the version policy of `_common.check_framework`.
 """
 from __future__ import annotations
 
-import functools
-import inspect
-import math
-from importlib import metadata
-from types import SimpleNamespace
-from typing import Optional
+from importlib import util
 
-import torch
-
-import bandpo_lut
-
-from ._common import PAPER, check_band, check_framework, is_number
-
-try:
-    from skyrl_train.utils import ppo_utils
-except ImportError as exc:  # pragma: no cover - exercised only without skyrl-train
-    raise ImportError(
-        "bandpo_lut.integrations.skyrl needs skyrl-train (tested: skyrl-train 0.3.1), installed as "
-        "requirements-integrations.txt's comments say (--no-deps; it needs ray 2.51)"
-    ) from exc
-
-__all__ = ["LOSS_NAME", "TESTED_SKYRL", "check_config", "compute_policy_loss_bandpo"]
-
-LOSS_NAME = "bandpo"
-TESTED_SKYRL = ("0.3.1",)
-_SECTION = "trainer.algorithm"
-_EXPECTED_PARAMS = ("log_probs", "old_log_probs", "advantages", "config", "loss_mask",
-                    "rollout_logprobs")
-_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
-_CLIPS = ("band", "fixed")
-DEFAULTS = {"band_divergence": PAPER["divergence"], "band_delta": PAPER["delta"],
-            "band_max_ratio": PAPER["max_ratio"], "band_dual_clip": PAPER["dual_clip"],
-            "band_clip": "band"}
-
-
-def _check_skyrl() -> None:
-    try:
-        version = metadata.version("skyrl-train")
-    except metadata.PackageNotFoundError:
-        version = "unknown"
-    problems = []
-    for name in ("register_policy_loss", "ppo_policy_loss", "reduce_loss", "PolicyLossRegistry"):
-        if not hasattr(ppo_utils, name):
-            problems.append(f"skyrl_train.utils.ppo_utils.{name} is missing")
-    stock = getattr(ppo_utils, "ppo_policy_loss", None)
-    if stock is not None:
-        params = tuple(inspect.signature(inspect.unwrap(stock)).parameters)
-        if params != _EXPECTED_PARAMS:
-            problems.append(f"SkyRL's policy losses take {params}, this integration implements "
-                            f"{_EXPECTED_PARAMS}")
-    check_framework("skyrl-train", version, TESTED_SKYRL, problems, module="skyrl",
-                    install=f"pip install --no-deps 'skyrl-train=={TESTED_SKYRL[-1]}' (see "
-                            f"requirements-skyrl.txt for its ray and why)")
-
-
-_check_skyrl()
-
-
-def _get(config, key, default=None):
-    if config is None:
-        return default
-    if hasattr(config, "get"):
-        return config.get(key, default)
-    return getattr(config, key, default)
-
-
-def _has(config, key) -> bool:
-    return key in config if hasattr(config, "__contains__") else hasattr(config, key)
-
-
-def _settings(config) -> dict:
-    """trainer.algorithm.band_* where given (null included: no cap / no dual clip), else the paper's."""
-    return {k: (_get(config, k) if _has(config, k) else d) for k, d in DEFAULTS.items()}
-
-
-_checked: set = set()
-
-
-def check_config(algorithm_config) -> dict:
-    """The band settings of SkyRL's ``trainer.algorithm`` section (defaults: the paper's), refused
-    with a message naming the key if bandpo_lut cannot train them. Returns the settings."""
-    s = _settings(algorithm_config)
-    reduction = _get(algorithm_config, "loss_reduction", "token_mean")
-    key = (reduction, *sorted((k, repr(v)) for k, v in s.items()))
-    if key in _checked:
-        return s
-    check_band(s["band_divergence"], s["band_delta"], s["band_max_ratio"],
-               field={k: f"{_SECTION}.band_{k}" for k in ("divergence", "delta", "max_ratio")})
-    dual = s["band_dual_clip"]
-    if dual is not None and not (is_number(dual) and dual > 1 and not math.isnan(dual)):
-        raise ValueError(f"{_SECTION}.band_dual_clip must be null (off) or a number > 1 (paper: "
-                         f"{PAPER['dual_clip']:g}), got {dual!r}")
-    if s["band_clip"] not in _CLIPS:
-        raise ValueError(f"{_SECTION}.band_clip must be one of {_CLIPS}, got {s['band_clip']!r}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"{_SECTION}.loss_reduction must be one of {_REDUCTIONS} with "
-                         f"policy_loss_type={LOSS_NAME}, got {reduction!r}")
-    _checked.add(key)
-    return s
-
-
-def _fixed_config(config, dual_clip: Optional[float]):
-    """SkyRL's own ppo_policy_loss settings for band_clip='fixed' (its loss, unchanged)."""
-    names = ("loss_reduction", "eps_clip_low", "eps_clip_high", "use_tis", "tis_imp_ratio_cap",
-             "max_seq_len")
-    view = {k: _get(config, k) for k in names}
-    view["use_tis"] = bool(view["use_tis"])
-    view["policy_loss_type"] = "regular" if dual_clip is None else "dual_clip"
-    view["clip_ratio_c"] = dual_clip
-    return SimpleNamespace(**view)
-
-
-def compute_policy_loss_bandpo(
-    log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
-    config,
-    loss_mask: Optional[torch.Tensor] = None,
-    rollout_logprobs: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, float]:
-    """BandPO's policy loss for SkyRL (registered as ``"bandpo"``); see the module docstring."""
-    s = check_config(config)
-    if s["band_clip"] == "fixed":
-        return ppo_utils.ppo_policy_loss(log_probs, old_log_probs, advantages,
-                                         _fixed_config(config, s["band_dual_clip"]), loss_mask,
-                                         rollout_logprobs)
-    mask = torch.ones_like(log_probs) if loss_mask is None else loss_mask
-    adv = advantages
-    if _get(config, "use_tis", False):
-        w = torch.exp(torch.clamp((old_log_probs - rollout_logprobs).to(torch.float32), -20.0, 20.0))
-        w = torch.clamp(w.to(log_probs.dtype), max=_get(config, "tis_imp_ratio_cap"))
-        adv = adv * w.detach()
-    reduction = _get(config, "loss_reduction", "token_mean")
-    kwargs = dict(delta=s["band_delta"], divergence=s["band_divergence"],
-                  max_ratio=s["band_max_ratio"], dual_clip=s["band_dual_clip"])
-    if reduction == "token_mean":
-        loss, metrics = bandpo_lut.policy_loss(log_probs, old_log_probs, adv, mask, agg="token-mean",
-                                               **kwargs)
-    elif reduction == "sequence_mean":
-        # ours averages over the non-empty sequences; SkyRL's over all of them (an empty one is 0)
-        loss, metrics = bandpo_lut.policy_loss(log_probs, old_log_probs, adv, mask,
-                                               agg="seq-mean-token-mean", **kwargs)
-        n_seq = (mask.to(loss.dtype).sum(dim=-1) > 0).to(loss.dtype).sum()
-        loss = loss * n_seq / mask.shape[0]
-    else:  # seq_mean_token_sum_norm: the token sum over max_seq_len, averaged over the sequences
-        max_seq_len = _get(config, "max_seq_len")
-        if max_seq_len is None:
-            raise ValueError(f"{_SECTION}.max_seq_len is required for loss_reduction="
-                             f"seq_mean_token_sum_norm (SkyRL sets it from the generator's lengths)")
-        loss, metrics = bandpo_lut.policy_loss(log_probs, old_log_probs, adv, mask, agg="token-sum",
-                                               **kwargs)
-        loss = loss / (max_seq_len * mask.shape[0])
-    return loss, float(metrics["clip_frac"])
-
-
-def _install_startup_check() -> None:
-    """SkyRL's driver validates its config (``skyrl_train.utils.validate_cfg``) before Ray starts; with
-    policy_loss_type=bandpo, make that also refuse an impossible band setting, naming the key. Takes
-    effect for an entrypoint that imports this module before it imports ``validate_cfg`` (as the
-    documented one does). Any other config validates as before."""
-    from skyrl_train import utils as skyrl_utils
-    from skyrl_train.utils import utils as skyrl_utils_impl
-
-    original = skyrl_utils_impl.validate_cfg
-    if getattr(original, "_bandpo_check", False):
-        return
-
-    @functools.wraps(original)
-    def validate_cfg(cfg):
-        original(cfg)
-        algorithm = cfg.trainer.algorithm
-        if _get(algorithm, "policy_loss_type") == LOSS_NAME:
-            check_config(algorithm)
-
-    validate_cfg._bandpo_check = True
-    skyrl_utils_impl.validate_cfg = validate_cfg
-    skyrl_utils.validate_cfg = validate_cfg
-
-
-ppo_utils.register_policy_loss(LOSS_NAME)(compute_policy_loss_bandpo)
-_install_startup_check()
+if util.find_spec("skyrl") is not None:
+    from ._skyrl04 import *  # noqa: F401,F403
+    from ._skyrl04 import __all__, _check_skyrl, ppo_utils  # noqa: F401
+    SKYRL_PACKAGE = "skyrl"
+else:
+    from ._skyrl03 import *  # noqa: F401,F403
+    from ._skyrl03 import __all__, _check_skyrl, ppo_utils  # noqa: F401
+    SKYRL_PACKAGE = "skyrl-train"

@@ -42,6 +42,9 @@ CHECKS = {
     "bad_settings_refused_naming_the_key": "impossible settings refused, naming trainer.algorithm.<key>",
     "refused_by_skyrls_startup_validation": "SkyRL's validate_cfg (driver, before Ray) refuses a bad "
                                             "band setting, naming it",
+    "misspelt_band_key_refused": "+trainer.algorithm.band_dleta is refused (validate_cfg, check_config, the loss), "
+                                 "naming it and band_delta",
+    "band_keys_without_bandpo_refused": "band_* keys with policy_loss_type regular/dual_clip: refused by validate_cfg",
     "paper_defaults": "no band keys: the paper's settings; null turns the cap / dual clip off",
     "version_policy": "tested version silent; untested same-structure warns; changed convention refused",
 }

@@ -171,6 +171,53 @@ def _():
     raise AssertionError("SkyRL's validate_cfg accepted band_delta=2.0")
 
 
+def _composed(*overrides):
+    """SkyRL's own config as its driver composes it (hydra), with command-line overrides."""
+    from hydra import compose, initialize_config_dir
+
+    config_dir = os.path.abspath(os.path.join(os.path.dirname(ppo_utils.__file__), "..", "config"))
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name="ppo_base_config", overrides=["trainer.logger=console", *overrides])
+
+
+@check("misspelt_band_key_refused")
+def _():
+    from skyrl_train import utils as skyrl_utils
+
+    bad = _composed("trainer.algorithm.policy_loss_type=bandpo", "+trainer.algorithm.band_dleta=0.2")
+    out = []
+    for where, call in (("validate_cfg", lambda: skyrl_utils.validate_cfg(bad)),
+                        ("check_config", lambda: bsky.check_config(bad.trainer.algorithm)),
+                        ("first loss call", lambda: bsky.compute_policy_loss_bandpo(
+                            *batch(6)[:3], bad.trainer.algorithm, batch(6)[3]))):
+        try:
+            call()
+        except ValueError as exc:
+            assert "trainer.algorithm.band_dleta" in str(exc) and "band_delta" in str(exc), str(exc)
+            out.append(f"{where}: {str(exc)[:60]}")
+        else:
+            raise AssertionError(f"{where} accepted band_dleta")
+    return out
+
+
+@check("band_keys_without_bandpo_refused")
+def _():
+    from skyrl_train import utils as skyrl_utils
+
+    out = []
+    for loss in ("regular", "dual_clip"):
+        bad = _composed(f"trainer.algorithm.policy_loss_type={loss}", "+trainer.algorithm.band_delta=0.2")
+        try:
+            skyrl_utils.validate_cfg(bad)
+        except ValueError as exc:
+            assert "band_delta" in str(exc) and f"policy_loss_type={loss!r}" in str(exc), str(exc)
+            out.append(str(exc)[:60])
+        else:
+            raise AssertionError(f"band_delta with policy_loss_type={loss} was accepted")
+    skyrl_utils.validate_cfg(_composed("trainer.algorithm.policy_loss_type=regular"))  # no band keys: fine
+    return out
+
+
 @check("paper_defaults")
 def _():
     s = bsky.check_config(algorithm_config(policy_loss_type="bandpo"))
