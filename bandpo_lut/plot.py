@@ -132,7 +132,7 @@ def draw(curves, args: argparse.Namespace) -> None:
         ax.set_xlabel("p = π_old(token)")
         ax.grid(alpha=0.3, which="both")
     handles, labels = ax_r.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 5), fontsize=10,
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 3 if args.dppo else 5), fontsize=10,
                handlelength=3.5, frameon=False)
     cap = f", upper bounds capped at {args.max_ratio:g}" if args.max_ratio is not None else ""
     versus = " and DPPO's binary regions (never capped)" if args.dppo else ""
@@ -154,7 +154,7 @@ def _draw_dppo(ax_r, ax_q, p, args, colours) -> None:
             lo, up = ratio_region(p, divergence=div, delta=delta)
             style = dict(color="black", ls="none", marker="o", ms=2.2, markevery=(i * 7 % 23, 23),
                          mfc=colours[i % len(colours)], mew=0.4)
-            label = f"DPPO-binary-{div} (verl dppo_{div}, clip_ratio = {delta:g})"
+            label = f"DPPO {div} (verl dppo_{div}), clip_ratio = {delta:g}"
             ax_r.plot(p, up, label=label, **style)
             ax_r.plot(p, lo, **style)
             ax_q.plot(p, p * (up - 1), label=label, **style)

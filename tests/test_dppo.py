@@ -192,3 +192,15 @@ def test_dppo_region_is_the_band(divergence, delta):
             _, _, m = verl_loss(divergence, old, new, adv, cfg)
             # verl's masked_mean divides by count + 1e-8
             assert m["actor/pg_clipfrac"] == pytest.approx(1.0 if masked else 0.0, abs=1e-6), (divergence, factor)
+
+
+def test_plot_with_the_dppo_overlay(tmp_path, capsys):
+    """`bandpo-lut plot --dppo` (the command of docs/dppo.md's figure) runs; a divergence DPPO lacks (chi2) is drawn
+    without an overlay rather than refused."""
+    from bandpo_lut.cli import main
+
+    out = tmp_path / "dppo.png"
+    assert main(["plot", "--divergences", "kl,tv,chi2", "--deltas", "0.05", "--max-ratio", "10", "--dppo",
+                 "--no-baselines", "--p-min", "1e-3", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "written to" in capsys.readouterr().out
