@@ -94,6 +94,9 @@ def test_mask_mode_has_verls_dppo_gradient(divergence, delta):
     assert 0.02 < float(m["clip_frac"]) < 0.6                                  # both sides of the edge are there
     assert float(m["n_clipped_upper"]) > 0 and float(m["n_clipped_lower"]) > 0
     assert not torch.isclose(loss, want, rtol=1e-3)                             # values differ by design
+    lp = new.clone().requires_grad_(True)                                       # clip mode: the same gradient
+    (clip_grad,) = torch.autograd.grad(bandpo_lut.policy_loss(lp, old, adv, divergence=divergence, delta=delta)[0], lp)
+    torch.testing.assert_close(clip_grad, want_grad, rtol=1e-9, atol=1e-15)
     torch.testing.assert_close(loss, (-adv * (new - old).exp()).mean())         # ours: the PPO surrogate
 
 
