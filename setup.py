@@ -62,11 +62,11 @@ def env_flag(env: dict, name: str) -> bool:
 
 
 def read_version(root: Path = ROOT) -> str:
-    """`__version__` from bandpo_lut/__init__.py, read as text (importing it would need torch)."""
-    text = (root / PACKAGE / "__init__.py").read_text(encoding="utf-8")
+    """`__version__` from bandpo_lut/_version.py, read as text (importing the package would need torch)."""
+    text = (root / PACKAGE / "_version.py").read_text(encoding="utf-8")
     match = re.search(r'^__version__\s*=\s*["\']([^"\']+)["\']', text, re.M)
     if not match:
-        raise BuildConfigError(f"no __version__ = '...' line in {PACKAGE}/__init__.py")
+        raise BuildConfigError(f"no __version__ = '...' line in {PACKAGE}/_version.py")
     return match.group(1)
 
 

@@ -5,7 +5,9 @@ Two panels share a log-scale p axis:
     simplex floor r >= 0 and the ceiling r <= 1/p are visible);
   * the allowed change of the token's probability, p*(r - 1): up to p*(up - 1) upwards, down to
     p*(lo - 1) downwards, with the simplex limits 1 - p and -p.
-Overlaid: canonical PPO clip [0.8, 1.2], clip-higher [0.8, 1.28] and DCPO (eps 0.16 / 0.2).
+Overlaid: canonical PPO clip [0.8, 1.2], clip-higher [0.8, 1.28] and DCPO (eps 0.16 / 0.2); with `--dppo`, DPPO's
+binary regions (verl's `dppo_kl` / `dppo_tv` with clip_ratio = δ) for the divergences it has (kl, tv), solved
+from verl's formula without the tables (`bandpo_lut.reference.dppo.ratio_region`) and never capped.
 Bounds are what the loss applies (`bandpo_lut.runtime.loss.ratio_bounds`: the compiled band, evaluated in float64).
 """
 from __future__ import annotations
@@ -39,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap the upper bounds of the bands and DCPO (default: none)")
     parser.add_argument("--no-baselines", action="store_true",
                         help="leave out PPO clip, clip-higher and DCPO")
+    parser.add_argument("--dppo", action="store_true",
+                        help="overlay DPPO's regions (verl dppo_kl / dppo_tv, clip_ratio = each delta; uncapped) "
+                             "for the divergences among kl,tv (docs/dppo.md)")
     parser.add_argument("--out", type=Path, default=Path("bandpo-bands.png"),
                         help="output file, .png or .svg by suffix (default bandpo-bands.png in the current "
                              "directory; the README's figure is made with --out docs/bands.png)")
@@ -89,6 +94,8 @@ def draw(curves, args: argparse.Namespace) -> None:
             ax_r.plot(p, lo, **style)
             ax_q.plot(p, p * (up - 1), label=label, **style)
             ax_q.plot(p, p * (lo - 1), **style)
+    if args.dppo:
+        _draw_dppo(ax_r, ax_q, p, args, colours)
     if not args.no_baselines:
         for label, clip, eps_low, eps_high, colour, ls in BASELINES:
             lo, up = ratio_bounds(p, clip=clip, eps_low=eps_low, eps_high=eps_high,
@@ -125,13 +132,33 @@ def draw(curves, args: argparse.Namespace) -> None:
         ax.set_xlabel("p = π_old(token)")
         ax.grid(alpha=0.3, which="both")
     handles, labels = ax_r.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 5), fontsize=10,
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 3 if args.dppo else 5), fontsize=10,
                handlelength=3.5, frameon=False)
     cap = f", upper bounds capped at {args.max_ratio:g}" if args.max_ratio is not None else ""
-    fig.suptitle(f"BandPO trust-region bands against p{cap}", fontsize=13)
+    versus = " and DPPO's binary regions (never capped)" if args.dppo else ""
+    fig.suptitle(f"BandPO trust-region bands{versus} against p{cap}", fontsize=13)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)
     plt.close(fig)
+
+
+def _draw_dppo(ax_r, ax_q, p, args, colours) -> None:
+    """DPPO's regions: thin black-edged dots over the band of the same divergence and δ, so that where the two
+    coincide the band shows through and where the band is capped DPPO's region goes on."""
+    from bandpo_lut.reference.dppo import DIVERGENCES, ratio_region
+
+    for i, div in enumerate(args.divergences):
+        if div not in DIVERGENCES:
+            continue
+        for delta in args.deltas:
+            lo, up = ratio_region(p, divergence=div, delta=delta)
+            style = dict(color="black", ls="none", marker="o", ms=2.2, markevery=(i * 7 % 23, 23),
+                         mfc=colours[i % len(colours)], mew=0.4)
+            label = f"DPPO {div} (verl dppo_{div}), clip_ratio = {delta:g}"
+            ax_r.plot(p, up, label=label, **style)
+            ax_r.plot(p, lo, **style)
+            ax_q.plot(p, p * (up - 1), label=label, **style)
+            ax_q.plot(p, p * (lo - 1), **style)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -141,7 +141,7 @@ def test_demo_tiny_run_writes_table_summary_and_figure(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "lowprob_clip_high" in text and "summary" in text
     methods = {m for m, _, _ in SUMMARY.findall(text)}
-    assert methods == {"ppo-clip", "clip-higher", "dcpo", "bandpo"}
+    assert methods == {"ppo-clip", "clip-higher", "dcpo", "bandpo", "dppo"}
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -102,10 +102,12 @@ def test_random_reward_reference_has_zero_expected_gradient():
     assert _z(along_logp) > 6 and _z(top) > 6, (_z(along_logp), _z(top))
 
 
-def test_clip_counts_by_bucket_add_up_to_the_loss_counts():
-    """The demo's own split of clipped tokens by p_old bucket (plain torch) sums to policy_loss's counts."""
+@pytest.mark.parametrize("method", ["ppo-clip", "dppo"])
+def test_clip_counts_by_bucket_add_up_to_the_loss_counts(method):
+    """The demo's own split of clipped tokens by p_old bucket (plain torch, from the method's bounds) sums to the
+    loss's counts: policy_loss's, and for DPPO its masked tokens (verl's test; the bounds solved by bisection)."""
     cfg = tiny_config("random-reward", steps=6, contexts=8, vocab=100, tokens=8, epochs=4, lr=0.2)
-    h = run_method("ppo-clip", [0, 1], cfg)
+    h = run_method(method, [0, 1], cfg)
     assert h["n_high"].shape == (2, 6, len(P_BUCKETS))
     assert float(h["n_high"].sum()) > 0 and float(h["n_low"].sum()) > 0   # the clip acted
     torch.testing.assert_close(h["n_high"].sum(-1).float(), h["n_clipped_upper"], rtol=0, atol=0)

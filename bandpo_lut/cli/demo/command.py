@@ -12,9 +12,11 @@ The task (no downloads, nothing learned beforehand):
 
 The same seeds (same initial policy, same task, same sampling stream) are trained with canonical
 PPO clipping (0.2), clip-higher (0.2 / 0.28), DCPO and BandPO (KL, delta = 0.05), all through the
-same `policy_loss` call. Per step we record the policy entropy, the mean reward, the overall clip
-fraction and the clip-high rate of low-probability tokens (among tokens with p_old < 0.2 and A > 0,
-the fraction with ratio above the upper bound), from counts summed over all of the step's updates.
+same `policy_loss` call, and DPPO-Binary-KL as verl's `dppo_kl` applies it (delta 0.05, IS weight
+truncated at 20; `bandpo_lut.reference.dppo`, see docs/dppo.md). Per step we record the policy
+entropy, the mean reward, the overall clip fraction and the clip-high rate of low-probability
+tokens (among tokens with p_old < 0.2 and A > 0, the fraction with ratio above the upper bound),
+from counts summed over all of the step's updates.
 
 What it showed when written (defaults, 5 seeds; `--quick` is one seed of the same task): canonical
 clipping stops about 5% of the upward moves of low-probability tokens with a positive advantage
@@ -40,16 +42,18 @@ from pathlib import Path
 import torch
 
 from bandpo_lut.cli.args import int_at_least, max_ratio_arg, number_in
+from bandpo_lut.cli.demo.tasks import DPPO, TASKS, Config, method_bounds, method_loss
 from bandpo_lut.cli.demo.tasks import METHODS as TASK_METHODS
-from bandpo_lut.cli.demo.tasks import TASKS, Config
-from bandpo_lut.runtime.loss import policy_loss, ratio_bounds
+from bandpo_lut.cli.demo.tasks import method_kwargs as _task_method_kwargs
 
-# name -> policy_loss keyword arguments; max_ratio is added from --max-ratio for dcpo and band.
+# name -> policy_loss keyword arguments (dppo: DPPO's, see demo_tasks.method_loss); max_ratio is added from
+# --max-ratio for dcpo and band.
 METHODS = {
     "ppo-clip": dict(clip="fixed", eps_low=0.2, eps_high=0.2),
     "clip-higher": dict(clip="fixed", eps_low=0.2, eps_high=0.28),
     "dcpo": dict(clip="dcpo", eps_low=0.16, eps_high=0.2),
     "bandpo": dict(clip="band", divergence="kl", delta=0.05),
+    "dppo": DPPO,
 }
 ALL_METHODS = tuple(dict.fromkeys([*TASK_METHODS, *METHODS]))  # every --methods name of every task
 # Sizes past these are refused before any work: the demo holds the logits and their Adam states
@@ -58,7 +62,7 @@ MAX_LOGITS = 10_000_000
 MAX_BATCH_TOKENS = 1_000_000
 RECORDED = ("entropy", "reward", "clip_frac", "lowprob_clip_high")
 # line styles in the figure; dcpo is dashed because in this toy it often runs on top of bandpo
-STYLES = {"ppo-clip": "-", "clip-higher": "-", "dcpo": (0, (4, 2)), "bandpo": "-"}
+STYLES = {"ppo-clip": "-", "clip-higher": "-", "dcpo": (0, (4, 2)), "bandpo": "-", "dppo": (0, (1, 1.5))}
 LABELS = {
     "entropy": "policy entropy (nats)",
     "reward": "mean reward",
@@ -176,7 +180,8 @@ def _run(args: argparse.Namespace) -> int:
           f"{cfg.vocab} (initial logits ~ N(0, {cfg.init_scale}^2)), {cfg.good} rewarded tokens per "
           f"context drawn from initial ranks {cfg.good_ranks[0]}..{cfg.good_ranks[1] - 1}; groups of "
           f"{cfg.group} responses x {cfg.tokens} tokens; {cfg.epochs * cfg.minibatches} Adam updates "
-          f"(lr {cfg.lr}) per batch; max_ratio {cfg.max_ratio} for dcpo and bandpo; loss: bandpo_lut.policy_loss")
+          f"(lr {cfg.lr}) per batch; max_ratio {cfg.max_ratio} for dcpo and bandpo; loss: bandpo_lut.policy_loss "
+          f"(dppo: bandpo_lut.reference.dppo, verl's dppo_kl)")
 
     start = time.perf_counter()
     history = {}  # method -> quantity -> tensor (seeds, steps)
@@ -215,10 +220,7 @@ def make_task(seed: int, cfg: Config):
 
 
 def method_kwargs(method: str, cfg: Config) -> dict:
-    kwargs = dict(METHODS[method])
-    if kwargs["clip"] in ("dcpo", "band"):
-        kwargs["max_ratio"] = cfg.max_ratio
-    return kwargs
+    return _task_method_kwargs(method, cfg, METHODS)
 
 
 def train(method: str, seed: int, cfg: Config) -> dict:
@@ -245,7 +247,7 @@ def train(method: str, seed: int, cfg: Config) -> dict:
         for _ in range(cfg.epochs):  # PPO: minibatches of responses drawn across all contexts
             for idx in torch.randperm(C * G, generator=sampler).chunk(cfg.minibatches):
                 lp = torch.gather(torch.log_softmax(theta, dim=1)[context_of[idx]], 1, tokens[idx])
-                loss, metrics = policy_loss(lp, old_lp[idx], adv[idx], **kwargs)
+                loss, metrics = method_loss(lp, old_lp[idx], adv[idx], kwargs)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -371,7 +373,7 @@ def _plot_upper_bounds(ax, history: dict, cfg: Config, colors: dict) -> None:
     """Each method's ratio bounds against p_old, to read the clip rates above."""
     p = torch.logspace(-4, 0, 400, dtype=torch.float64)
     for method in history:
-        lo, up = ratio_bounds(p, **method_kwargs(method, cfg))
+        lo, up = method_bounds(p, method_kwargs(method, cfg))
         ax.plot(p, up, color=colors[method], lw=1.8, label=method, ls=STYLES[method])
         ax.plot(p, lo, color=colors[method], lw=1.2, ls=":")
     ax.plot(p, 1 / p, color="black", lw=1, ls=(0, (1, 3)), label="simplex limit 1/p")

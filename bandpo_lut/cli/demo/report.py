@@ -22,7 +22,7 @@ def run(task: str, methods: list[str], seeds: list[int], cfg, out: Path | None, 
     print(f"BandPO demo --task {task}: {len(seeds)} seed(s) ({seeds[0]}..{seeds[-1]}) x {tcfg.steps} steps; "
           f"{tcfg.contexts} contexts, vocab {tcfg.vocab} (initial logits ~ N(0, {tcfg.init_scale}^2)); {what}; "
           f"groups of {tcfg.group} responses x {tcfg.tokens} tokens; {tcfg.epochs * tcfg.minibatches} {opt_name} "
-          f"updates (lr {tcfg.lr}) per batch; loss: bandpo_lut.policy_loss")
+          f"updates (lr {tcfg.lr}) per batch; loss: bandpo_lut.policy_loss (dppo: bandpo_lut.reference.dppo)")
     for m in methods:
         print(f"  {m}: " + ", ".join(f"{k}={v}" for k, v in method_kwargs(m, tcfg).items()))
     start = time.perf_counter()
@@ -99,7 +99,8 @@ def summary_lines(history: dict, cfg: TaskConfig) -> list[str]:
     return lines
 
 
-STYLES = {"no-clip": (0, (1, 1.5)), "ppo-clip": "-", "clip-higher": "-", "dcpo": (0, (4, 2)), "bandpo": "-"}
+STYLES = {"no-clip": (0, (1, 1.5)), "ppo-clip": "-", "clip-higher": "-", "dcpo": (0, (4, 2)), "bandpo": "-",
+          "dppo": (0, (6, 1.5, 1, 1.5))}
 
 
 def plot(history: dict, out: Path, cfg: TaskConfig, n_seeds: int) -> None:

@@ -21,7 +21,10 @@ Methods, all through `bandpo_lut.policy_loss` on the same seeds (same initial po
 and reward streams): "no-clip" is the unclipped surrogate -A*r, expressed as clip="fixed" with
 eps_low = 1 (lower bound 0, which a ratio never goes below) and an eps_high whose bound 1 + eps_high
 lies above exp(20), the largest ratio the loss forms (it clamps |log ratio| at 20); then PPO's clip,
-clip-higher, DCPO, and BandPO with the paper's settings (kl, delta 0.05, max_ratio 10, dual clip 10).
+clip-higher, DCPO, and BandPO with the paper's settings (kl, delta 0.05, max_ratio 10, dual clip 10). "dppo" is
+DPPO-Binary-KL as verl's `dppo_kl` applies it (`bandpo_lut.reference.dppo`, held to verl's own loss by
+tests/integrations/test_dppo.py): the same KL region at delta 0.05, no cap, no dual clip, the IS weight truncated at 20
+(docs/dppo.md says why it is not `policy_loss(mode="mask")`).
 
 What they showed when written (docs/demo.md, 5 seeds x 200 steps): PPO's clip binds more on the rare
 tokens' upward moves than on their downward ones (random-reward: 6.6% against 4.6%), BandPO and DCPO
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bandpo_lut.reference import dppo
 from bandpo_lut.runtime.loss import policy_loss, ratio_bounds
 
 NO_CLIP = dict(clip="fixed", eps_low=1.0, eps_high=1e9)   # bounds [0, 1e9 + 1] contain every ratio
@@ -44,7 +48,11 @@ METHODS = {
     "clip-higher": dict(clip="fixed", eps_low=0.2, eps_high=0.28),
     "dcpo": dict(clip="dcpo", eps_low=0.16, eps_high=0.2),
     "bandpo": dict(clip="band", divergence="kl", delta=0.05, dual_clip=10.0),
+    "dppo": dict(dppo=True, divergence="kl", delta=0.05, tis_cap=20.0),
 }
+# DPPO's settings (verl dppo_kl: clip_ratio 0.05 = BandPO's delta, clip_ratio_c 20, the loss's own fallback and
+# on the large side the DPPO paper recommends; verl's ActorConfig default would be 3).
+DPPO = METHODS["dppo"]
 TASKS = ("random-reward", "rare-correct")
 
 # Old-probability buckets of the clip rates: [0, .01), [.01, .1), [.1, .5), [.5, 1].
@@ -82,12 +90,28 @@ class TaskConfig(Config):
     optimizer: str = "adam"
 
 
-def method_kwargs(method: str, cfg: TaskConfig) -> dict:
-    """policy_loss keyword arguments of `method` (max_ratio from the config for dcpo and bandpo)."""
-    kwargs = dict(METHODS[method])
-    if kwargs["clip"] in ("dcpo", "band"):
+def method_kwargs(method: str, cfg: TaskConfig, methods: dict = METHODS) -> dict:
+    """Keyword arguments of `method`: policy_loss's (max_ratio from the config for dcpo and bandpo), or DPPO's
+    (marked dppo=True; DPPO has no cap)."""
+    kwargs = dict(methods[method])
+    if kwargs.get("clip") in ("dcpo", "band"):
         kwargs["max_ratio"] = cfg.max_ratio
     return kwargs
+
+
+def method_loss(log_prob, old_log_prob, adv, kwargs: dict):
+    """(loss, counts) of one update: DPPO's loss for a dppo=True method, policy_loss otherwise."""
+    if kwargs.get("dppo"):
+        return dppo.dppo_loss(log_prob, old_log_prob, adv, **{k: v for k, v in kwargs.items() if k != "dppo"})
+    return policy_loss(log_prob, old_log_prob, adv, **kwargs)
+
+
+def method_bounds(p_old: torch.Tensor, kwargs: dict):
+    """The ratio bounds [lo, up] a method clips (or, for DPPO, masks) at: up acts on A > 0, lo on A < 0."""
+    if kwargs.get("dppo"):
+        lo, up = dppo.ratio_region(p_old, divergence=kwargs["divergence"], delta=kwargs["delta"])
+        return lo.to(p_old.dtype), up.to(p_old.dtype)
+    return ratio_bounds(p_old, **{k: v for k, v in kwargs.items() if k != "dual_clip"})
 
 
 def make_task(seed: int, cfg: TaskConfig):
@@ -162,7 +186,6 @@ def train(method: str, seed: int, cfg: TaskConfig) -> dict:
     theta = torch.nn.Parameter(logits0.clone())
     opt = (torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.SGD)([theta], lr=cfg.lr)
     kwargs = method_kwargs(method, cfg)
-    bound_kwargs = {k: v for k, v in kwargs.items() if k != "dual_clip"}
     # separate streams, the same for every method: sampling and minibatches, and the random rewards
     sampler = torch.Generator().manual_seed(10_000 + seed)
     rewarder = torch.Generator().manual_seed(20_000 + seed)
@@ -184,12 +207,12 @@ def train(method: str, seed: int, cfg: TaskConfig) -> dict:
         tokens, old_lp, adv, mean_reward = rollout(theta, correct, sampler, rewarder, cfg)
         out["reward"][step] = mean_reward
         p_old = old_lp.exp()
-        lo, up = ratio_bounds(p_old, **bound_kwargs)    # fixed for the batch's updates
+        lo, up = method_bounds(p_old, kwargs)    # fixed for the batch's updates
         bucket = torch.bucketize(p_old, edges, right=True)
         for _ in range(cfg.epochs):
             for idx in torch.randperm(C * G, generator=sampler).chunk(cfg.minibatches):
                 lp = token_log_probs(theta, context_of[idx], tokens[idx])
-                loss, metrics = policy_loss(lp, old_lp[idx], adv[idx], **kwargs)
+                loss, metrics = method_loss(lp, old_lp[idx], adv[idx], kwargs)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
