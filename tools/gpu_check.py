@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -90,7 +91,15 @@ def run_logged(cmd, log_name: str, *, env=None, cwd=None, timeout=None, echo=Tru
     log = open(LOG_DIR / log_name, "w") if LOG_DIR else None   # noqa: SIM115
     proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=cwd, bufsize=1)
-    lines, deadline = [], (time.time() + timeout) if timeout else None
+    lines, killed = [], threading.Event()
+
+    def kill():
+        killed.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout, kill) if timeout else None   # also when the child prints nothing
+    if timer:
+        timer.start()
     try:
         for line in proc.stdout:
             lines.append(line)
@@ -98,16 +107,15 @@ def run_logged(cmd, log_name: str, *, env=None, cwd=None, timeout=None, echo=Tru
                 sys.stdout.write(line)
             if log:
                 log.write(line)
-            if deadline and time.time() > deadline:
-                proc.kill()
-                lines.append(f"[gpu_check: killed after {timeout} s]\n")
-                break
         rc = proc.wait()
-        if deadline and time.time() > deadline:
-            rc = 124
     finally:
+        if timer:
+            timer.cancel()
         if log:
             log.close()
+    if killed.is_set():
+        print(f"    [gpu_check: killed after {timeout} s]")
+        rc = 124
     return rc, "".join(lines)
 
 
@@ -159,9 +167,12 @@ def build(arch: str, name: str, env: dict) -> bool:
     env = dict(env, TORCH_CUDA_ARCH_LIST=arch, MAX_JOBS=os.environ.get("MAX_JOBS", str(os.cpu_count() or 4)))
     print(f"[build {name}] {compiler_line(env)}; TORCH_CUDA_ARCH_LIST={arch} MAX_JOBS={env['MAX_JOBS']}", flush=True)
     t0 = time.time()
-    rc, out = run_logged([sys.executable, "-m", "pip", "install", "-v", "--no-build-isolation", "--no-deps",
-                          "--force-reinstall", str(ROOT)], f"build-{name}.log", env=env, cwd=tempfile.gettempdir(),
-                         echo=False)
+    cmd = [sys.executable, "-m", "pip", "install", "-v", "--no-build-isolation", "--no-deps", "--force-reinstall",
+           str(ROOT)]
+    rc, out = run_logged(cmd, f"build-{name}.log", env=env, cwd=tempfile.gettempdir(), echo=False)
+    if rc != 0 and "externally-managed-environment" in out:     # a distribution's Python outside a venv (PEP 668)
+        rc, out = run_logged(cmd + ["--break-system-packages"], f"build-{name}.log", env=env,
+                             cwd=tempfile.gettempdir(), echo=False)
     if rc != 0:
         print(out[-4000:])
     return report(f"build with the {name} compiler", rc == 0, f"{time.time() - t0:.0f} s")
