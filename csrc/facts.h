@@ -10,10 +10,17 @@
 //   cpu                        the CPU's vector ISA and the kernel variant chosen for it (csrc/cpu/cpu_variant.h;
 //                              "variant_error" instead when BANDPO_LUT_CPU_VARIANT asks for one it cannot run)
 // tests/runtime/test_contract.py compares each with its Python owner (the divergence registry, loss_spec).
+//
+// Built with string appends and std::to_chars only, never an iostream: this runs inside PyInit__C, and a GCC that
+// links libstdc++ statically into _C.so (the GPU image's /opt/gcc) gives the library a second copy of
+// the locale/iostream machinery whose first ostream write segfaulted at import. Numbers are written shortest
+// round-trip (std::to_chars without a precision), so Python reads back the very double. tests/runtime/test_contract.py
+// checks that this code references no iostream or locale symbol.
 #pragma once
 
-#include <sstream>
+#include <charconv>
 #include <string>
+#include <system_error>
 
 #include "build_info.h"
 #include "cpu/cpu_variant.h"
@@ -24,61 +31,108 @@
 namespace bandpo {
 namespace detail {
 
+// A number as JSON text: integers exactly, doubles shortest round-trip ("20", "0.2", "1e-05"). The buffer
+// holds any int or double (at most 24 characters).
+template <typename T>
+void append_number(std::string& o, T x) {
+  char buf[32];
+  const std::to_chars_result r = std::to_chars(buf, buf + sizeof(buf), x);
+  o.append(buf, r.ec == std::errc() ? r.ptr : buf);
+}
+
+inline void append_quoted(std::string& o, const char* s) {
+  o += '"';
+  o += s;
+  o += '"';
+}
+
 // {"name": id, ...} of every id that `name_of` names, in id order.
 template <typename E>
-void write_option_ids(std::ostringstream& o) {
-  o << "{";
+void write_option_ids(std::string& o) {
+  o += '{';
   for (int id = 0; name_of(static_cast<E>(id)) != nullptr; ++id) {
-    o << (id ? ", " : "") << "\"" << name_of(static_cast<E>(id)) << "\": " << id;
+    if (id) o += ", ";
+    append_quoted(o, name_of(static_cast<E>(id)));
+    o += ": ";
+    append_number(o, id);
   }
-  o << "}";
+  o += '}';
 }
 
 }  // namespace detail
 
 inline std::string facts_json() {
-  std::ostringstream o;
-  o.precision(17);
-  o << "{\"build\": " << bandpo_build_info_json() << ", \"divergences\": {";
+  using detail::append_number;
+  using detail::append_quoted;
+  std::string o;
+  o += "{\"build\": ";
+  o += bandpo_build_info_json();
+  o += ", \"divergences\": {";
   for (int id = 0; id < kNumDivergences; ++id) {
-    o << (id ? ", " : "") << "\"" << info_of(static_cast<Divergence>(id)).name << "\": " << id;
+    if (id) o += ", ";
+    append_quoted(o, info_of(static_cast<Divergence>(id)).name);
+    o += ": ";
+    append_number(o, id);
   }
-  o << "}, \"closed_form_divergences\": [";
+  o += "}, \"closed_form_divergences\": [";
   bool first = true;
   for (int id = 0; id < kNumDivergences; ++id) {
     const DivergenceInfo d = info_of(static_cast<Divergence>(id));
     if (!d.closed_form) continue;
-    o << (first ? "" : ", ") << "\"" << d.name << "\"";
+    if (!first) o += ", ";
+    append_quoted(o, d.name);
     first = false;
   }
-  o << "], \"grid_fields\": [";
-  for (int i = 0; i < kGridLen; ++i) o << (i ? ", " : "") << "\"" << kGridFieldNames[i] << "\"";
-  o << "], \"loss\": {\"clip\": ";
+  o += "], \"grid_fields\": [";
+  for (int i = 0; i < kGridLen; ++i) {
+    if (i) o += ", ";
+    append_quoted(o, kGridFieldNames[i]);
+  }
+  o += "], \"loss\": {\"clip\": ";
   detail::write_option_ids<ClipKind>(o);
-  o << ", \"mode\": ";
+  o += ", \"mode\": ";
   detail::write_option_ids<LossMode>(o);
-  o << ", \"agg\": ";
+  o += ", \"agg\": ";
   detail::write_option_ids<AggKind>(o);
-  o << ", \"n_counts\": " << kNumCounts << ", \"n_metrics\": " << kNumMetrics
-    << ", \"log_ratio_clamp\": " << kLogRatioClamp << ", \"lowprob\": " << kLowProb << ", \"bucket_edges\": [";
-  for (int k = 0; k < kNumBuckets; ++k) o << (k ? ", " : "") << bucket_edge(k);
-  o << "], \"fractions\": [";
+  o += ", \"n_counts\": ";
+  append_number(o, static_cast<int>(kNumCounts));
+  o += ", \"n_metrics\": ";
+  append_number(o, static_cast<int>(kNumMetrics));
+  o += ", \"log_ratio_clamp\": ";
+  append_number(o, kLogRatioClamp);
+  o += ", \"lowprob\": ";
+  append_number(o, kLowProb);
+  o += ", \"bucket_edges\": [";
+  for (int k = 0; k < kNumBuckets; ++k) {
+    if (k) o += ", ";
+    append_number(o, bucket_edge(k));
+  }
+  o += "], \"fractions\": [";
   for (int f = 0; f < kNumFractions; ++f) {
     const FractionDef d = fraction_def(f);
-    o << (f ? ", " : "") << "[" << d.num << ", " << d.den << "]";
+    if (f) o += ", ";
+    o += '[';
+    append_number(o, d.num);
+    o += ", ";
+    append_number(o, d.den);
+    o += ']';
   }
-  o << "]}, \"cpu\": {\"isa\": \"" << cpu_variant_name(cpu_variant_supported()) << "\", ";
+  o += "]}, \"cpu\": {\"isa\": ";
+  append_quoted(o, cpu_variant_name(cpu_variant_supported()));
+  o += ", ";
   try {
     const char* variant = cpu_variant_name(cpu_variant_from_env());  // may raise: write nothing before
-    o << "\"variant\": \"" << variant << "\"";
+    o += "\"variant\": ";
+    append_quoted(o, variant);
   } catch (const c10::Error& e) {
     std::string msg = e.what_without_backtrace();
     for (char& ch : msg)
       if (ch == '"' || ch == '\\' || ch == '\n') ch = ' ';
-    o << "\"variant_error\": \"" << msg << "\"";
+    o += "\"variant_error\": ";
+    append_quoted(o, msg.c_str());
   }
-  o << "}}";
-  return o.str();
+  o += "}}";
+  return o;
 }
 
 }  // namespace bandpo

@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
 """GPU check of bandpo_lut: one command on a machine with a CUDA GPU, torch and nvcc (no network needed).
 
-    python tools/gpu_check.py [--seed S] [--no-build] [--no-sanitizer] [--quick]
+    python tools/gpu_check.py [--out DIR] [--compilers system,default] [--seed S] [--no-build] [--no-sanitizer]
+                              [--quick] [--dry-run]
 
 From the repository root it does what only a GPU machine can, and runs the test suite's CUDA half for the rest:
-  1. builds and installs the extension for the local GPU only (TORCH_CUDA_ARCH_LIST from the device),
+  1. builds and installs the extension for the local GPU only (TORCH_CUDA_ARCH_LIST from the device), once per
+     compiler of --compilers (default `system,default`: CXX=/usr/bin/g++ CC=/usr/bin/gcc when that is not the
+     default compiler already, then the environment's own CXX or `c++`), and imports each build in a fresh process
+     (issue 26: a GCC that links libstdc++ statically made `import bandpo_lut` segfault); the last build (the
+     default compiler's, what a user's `pip install` gets) stays installed for the steps below,
   2. prints ptxas register, spill and shared-memory figures of every kernel (nvcc -Xptxas -v per .cu file),
   3. runs the CUDA tests, `pytest -m cuda tests` (with --quick: `-m "cuda and not slow"`), in a fresh process that
      imports the installed build: every op against the pure-PyTorch reference and mpmath on the GPU (every
@@ -16,12 +21,18 @@ From the repository root it does what only a GPU machine can, and runs the test 
   5. prints a timing table against a device-to-device copy and torch.clamp, with pass/fail thresholds
      (clip, kl, scalar delta >= 60% of copy bandwidth at N = 2^26 on a datacenter GPU; the fused loss no
      slower than the eager PPO loss),
-  6. checks bandpo_lut.fused_linear_policy_loss on CUDA (tools/gpu_check_fused_linear.py: against the unfused
+  6. torch.compile(fullgraph=True) and a CUDA-graph capture of clip and policy_loss on the GPU (a Python and a
+     host 0-dim δ; replays with new inputs), against eager,
+  7. checks bandpo_lut.fused_linear_policy_loss on CUDA (tools/gpu_check_fused_linear.py: against the unfused
      path, no host synchronisation, torch.compile) and prints its memory/time table against the unfused path
      and, where liger-kernel is installed, Liger's fused-linear GRPO loss (fails above 1/8 of the unfused
      path's extra memory at V = 131072),
 and exits non-zero if anything failed. The random seed (sanitizer workload and timing inputs) is printed.
-Budget: under eight minutes on an H100/H200 node (the build is most of it).
+Everything printed, the subprocesses' output included, is also written to DIR/gpu_check.log (DIR: --out, else $OUT
+when set), with one log per step beside it (build-<compiler>.log, pytest.log, sanitizer-<tool>.log, ...).
+--dry-run prints the plan (steps, commands, compilers) without a GPU and runs nothing.
+Budget (H200, MAX_JOBS=16): two builds ~140 s, ptxas ~30 s, all CUDA tests ~90 s, sanitizers ~90 s, compile and
+graph ~20 s, timing and fused linear ~40 s: about 7 minutes.
 """
 from __future__ import annotations
 
@@ -32,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +53,70 @@ DATACENTER = re.compile(r"\b(A100|A800|H100|H800|H200|H20|GH200|B100|B200|GB200|
 CLIP_BANDWIDTH_MIN = 0.60      # clip kl (scalar delta) bytes/s over device-to-device copy bytes/s, N = 2^26
 
 FAILURES: list[str] = []
+LOG_DIR: Path | None = None    # --out / $OUT: where the logs go
+SYSTEM_CXX, SYSTEM_CC = "/usr/bin/g++", "/usr/bin/gcc"
+
+
+class Tee:
+    """sys.stdout/sys.stderr also written to a log file."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text):
+        self.stream.write(text)
+        self.log.write(text)
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
+        self.log.flush()
+
+    def isatty(self):
+        return False
+
+
+def start_log(folder: Path) -> None:
+    global LOG_DIR
+    LOG_DIR = folder
+    folder.mkdir(parents=True, exist_ok=True)
+    log = open(folder / "gpu_check.log", "a", buffering=1)   # noqa: SIM115 (open for the whole run)
+    sys.stdout, sys.stderr = Tee(sys.stdout, log), Tee(sys.stderr, log)
+
+
+def run_logged(cmd, log_name: str, *, env=None, cwd=None, timeout=None, echo=True) -> tuple[int, str]:
+    """Run `cmd`, its stdout and stderr merged, streamed to this process's (teed) stdout when `echo` and to
+    LOG_DIR/log_name; returns (exit status, output). A timeout kills it and returns 124."""
+    print(f"    $ {' '.join(map(str, cmd))}" + (f"   [log: {log_name}]" if LOG_DIR else ""), flush=True)
+    log = open(LOG_DIR / log_name, "w") if LOG_DIR else None   # noqa: SIM115
+    proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=cwd, bufsize=1)
+    lines, killed = [], threading.Event()
+
+    def kill():
+        killed.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout, kill) if timeout else None   # also when the child prints nothing
+    if timer:
+        timer.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if echo:
+                sys.stdout.write(line)
+            if log:
+                log.write(line)
+        rc = proc.wait()
+    finally:
+        if timer:
+            timer.cancel()
+        if log:
+            log.close()
+    if killed.is_set():
+        print(f"    [gpu_check: killed after {timeout} s]")
+        rc = 124
+    return rc, "".join(lines)
 
 
 def report(label: str, ok: bool, detail: str = "") -> bool:
@@ -60,17 +136,73 @@ def local_arch() -> str:
     return f"{major}.{minor}"
 
 
-def build(arch: str) -> None:
-    env = dict(os.environ, TORCH_CUDA_ARCH_LIST=arch, MAX_JOBS=os.environ.get("MAX_JOBS", str(os.cpu_count() or 4)))
-    print(f"[build] TORCH_CUDA_ARCH_LIST={arch} pip install --no-build-isolation --no-deps {ROOT}", flush=True)
+def compiler_envs(names: list[str]) -> list[tuple[str, dict]]:
+    """(name, environment) per compiler to build with: `default` is the environment as it is (its CXX/CC or the
+    `c++` on PATH, what a user's `pip install` gets); `system` is /usr/bin/g++ and /usr/bin/gcc, skipped when that
+    is the default compiler already."""
+    out = []
+    for name in names:
+        if name == "default":
+            out.append(("default", dict(os.environ)))
+        elif name == "system":
+            default = shutil.which(os.environ.get("CXX", "c++"))
+            if default and Path(default).resolve() == Path(SYSTEM_CXX).resolve():
+                print(f"[build] the default compiler is {SYSTEM_CXX}: no separate system build")
+                continue
+            out.append(("system", dict(os.environ, CXX=SYSTEM_CXX, CC=SYSTEM_CC)))
+        else:
+            raise SystemExit(f"gpu_check: --compilers: unknown compiler {name!r} (default, system)")
+    return out
+
+
+def compiler_line(env: dict) -> str:
+    cxx = env.get("CXX", "c++")
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    except (OSError, IndexError):
+        return f"{cxx} (not found)"
+
+
+def build(arch: str, name: str, env: dict) -> bool:
+    env = dict(env, TORCH_CUDA_ARCH_LIST=arch, MAX_JOBS=os.environ.get("MAX_JOBS", str(os.cpu_count() or 4)))
+    print(f"[build {name}] {compiler_line(env)}; TORCH_CUDA_ARCH_LIST={arch} MAX_JOBS={env['MAX_JOBS']}", flush=True)
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", str(ROOT)],
-                         env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True)
-    if out.returncode != 0:
-        print(out.stdout[-4000:], out.stderr[-4000:])
-        report("build", False)
-        raise SystemExit(finish())
-    report("build", True, f"{time.time() - t0:.0f} s")
+    cmd = [sys.executable, "-m", "pip", "install", "-v", "--no-build-isolation", "--no-deps", "--force-reinstall",
+           str(ROOT)]
+    rc, out = run_logged(cmd, f"build-{name}.log", env=env, cwd=tempfile.gettempdir(), echo=False)
+    if rc != 0 and "externally-managed-environment" in out:     # a distribution's Python outside a venv (PEP 668)
+        rc, out = run_logged(cmd + ["--break-system-packages"], f"build-{name}.log", env=env,
+                             cwd=tempfile.gettempdir(), echo=False)
+    if rc != 0:
+        print(out[-4000:])
+    return report(f"build with the {name} compiler", rc == 0, f"{time.time() - t0:.0f} s")
+
+
+# The import a user does first, in a fresh process, then one op on the CPU and the facts (what crashed in issue 26).
+IMPORT_CHECK = """
+import json, pathlib, torch, bandpo_lut
+from bandpo_lut.runtime import _extension
+lo, up = bandpo_lut.bounds(torch.tensor([0.3]), 0.05)
+assert 0 < lo.item() < 1 < up.item(), (lo, up)
+print(json.dumps(dict(build=_extension.facts()["build"], so=_extension.load().__file__)))
+"""
+
+
+def import_check(name: str, env: dict) -> None:
+    """The build just installed imports and runs (exit -11 was the segfault); prints whether its _C links
+    libstdc++ dynamically and how many iostream symbols it defines itself (a static libstdc++ defines them)."""
+    rc, out = run_logged([sys.executable, "-c", IMPORT_CHECK], f"import-{name}.log", env=env,
+                         cwd=tempfile.gettempdir(), timeout=120)
+    detail = "segfault (exit -11)" if rc == -11 else f"exit {rc}"
+    report(f"import bandpo_lut built with the {name} compiler", rc == 0, detail)
+    m = re.search(r'"so": "([^"]+)"', out)
+    if m and shutil.which("readelf") and shutil.which("nm"):
+        so = m.group(1)
+        needed = re.findall(r"\[(lib[^\]]+)\]", subprocess.run(["readelf", "-d", so], capture_output=True,
+                                                                 text=True).stdout)
+        defined = subprocess.run(["nm", "-D", "-C", "--defined-only", so], capture_output=True, text=True).stdout
+        n_ios = sum(1 for line in defined.splitlines() if re.search(r"basic_ostream|ios_base|std::locale", line))
+        print(f"    {Path(so).name}: NEEDED {', '.join(needed)}; iostream/locale symbols defined in it: {n_ios}")
 
 
 def ptxas_figures(arch: str) -> None:
@@ -141,9 +273,10 @@ def cuda_tests(quick: bool) -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, str(ROOT / "tests")]
     print(f"[tests] pytest -m {marker!r} tests", flush=True)
     t0 = time.time()
-    out = subprocess.run(cmd, cwd=ROOT / "tests")
+    rc, out = run_logged(cmd, "pytest.log", cwd=ROOT / "tests")
+    summary = out.strip().splitlines()[-1] if out.strip() else ""
     # exit 5: nothing collected, i.e. no test ran on the GPU: a failure here
-    report(f"pytest -m {marker!r}", out.returncode == 0, f"{time.time() - t0:.0f} s, exit {out.returncode}")
+    report(f"pytest -m {marker!r}", rc == 0, f"{time.time() - t0:.0f} s, exit {rc}: {summary[:80]}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -164,6 +297,7 @@ def sanitizer_workload() -> None:
             bandpo_lut.bounds(x, torch.full_like(x, 0.1), name)
             bandpo_lut.clip(x * 2, x[:1], 0.05, name)
             bandpo_lut.bounds(x.view(60, 50).t(), 0.05, name)
+            bandpo_lut.bounds(x, torch.tensor(0.07, dtype=torch.float64), name)    # a host 0-dim δ
     lp = torch.nn.functional.logsigmoid(torch.randn(5, 700, generator=g)).cuda().requires_grad_()
     for kw in (dict(), dict(delta=torch.full((5, 1), 0.1).cuda()), dict(clip="dcpo"), dict(agg="seq-mean-token-mean")):
         loss, _ = bandpo_lut.policy_loss(lp, (lp.detach() - 0.1).clamp(max=0), torch.randn(5, 700).cuda(),
@@ -184,11 +318,11 @@ def run_sanitizers(seed: int) -> None:
         t0 = time.time()
         cmd = [tool, "--tool", check, "--error-exitcode", "3", "--kernel-regex", "kns=bandpo",
                sys.executable, str(Path(__file__).resolve()), "--workload", "--seed", str(seed)]
-        out = subprocess.run(cmd, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=240)
-        summary = re.findall(r"ERROR SUMMARY: \d+ errors?|RACECHECK SUMMARY: \d+ hazards?.*", out.stdout + out.stderr)
-        report(f"compute-sanitizer {check}", out.returncode == 0, f"{time.time() - t0:.0f} s  {' '.join(summary)}")
-        if out.returncode != 0:
-            print((out.stdout + out.stderr)[-3000:])
+        rc, out = run_logged(cmd, f"sanitizer-{check}.log", cwd=tempfile.gettempdir(), timeout=240, echo=False)
+        summary = re.findall(r"ERROR SUMMARY: \d+ errors?|RACECHECK SUMMARY: \d+ hazards?.*", out)
+        report(f"compute-sanitizer {check}", rc == 0, f"{time.time() - t0:.0f} s  {' '.join(summary)}")
+        if rc != 0:
+            print(out[-3000:])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -259,8 +393,73 @@ def timing(g) -> None:
            f"{loss_rows[1][1] / loss_rows[0][1]:.2f}x")
 
 
+def compile_and_graph() -> None:
+    """Step 6: torch.compile(fullgraph=True) and a CUDA-graph capture of clip and policy_loss (fwd+bwd) on the GPU,
+    with a Python δ and a host 0-dim δ, against eager; the graph replayed with new inputs copied in."""
+    import torch
+
+    import bandpo_lut
+
+    g = torch.Generator().manual_seed(6)
+    p = torch.rand(4096, generator=g).cuda()
+    r = (torch.rand(4096, generator=g) * 2).cuda()
+    lp = torch.nn.functional.logsigmoid(torch.randn(8, 300, generator=g)).cuda()
+    olp, adv = (lp - 0.1).clamp(max=0), torch.randn(8, 300, generator=g).cuda()
+    host = torch.tensor(0.07, dtype=torch.float64)
+
+    def loss_and_grad(lp, delta):
+        a = lp.detach().clone().requires_grad_()
+        loss, _ = bandpo_lut.policy_loss(a, olp, adv, delta=delta, max_ratio=10.0)
+        loss.backward()
+        return loss.detach(), a.grad
+
+    try:
+        clip_c = torch.compile(lambda r, p, d: bandpo_lut.clip(r, p, d), fullgraph=True)
+        for delta in (0.05, host):
+            ok = torch.equal(clip_c(r, p, delta), bandpo_lut.clip(r, p, delta))
+            report(f"torch.compile(fullgraph) clip, delta {type(delta).__name__}, equal to eager", ok)
+        loss_c = torch.compile(lambda a, d: bandpo_lut.policy_loss(a, olp, adv, delta=d, max_ratio=10.0)[0],
+                               fullgraph=True)
+        for delta in (0.05, host):
+            a = lp.detach().clone().requires_grad_()
+            got = loss_c(a, delta)
+            got.backward()
+            want, want_grad = loss_and_grad(lp, delta)
+            ok = torch.allclose(got, want, rtol=1e-6, atol=0) and torch.allclose(a.grad, want_grad, rtol=1e-6, atol=0)
+            report(f"torch.compile(fullgraph) policy_loss fwd+bwd, delta {type(delta).__name__}", ok)
+        # CUDA graph: static inputs, captured once, replayed with new values copied in
+        static_r, static_lp = r.clone(), lp.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):      # warm up (the cell cache) outside the capture, as torch advises
+            for _ in range(2):
+                bandpo_lut.clip(static_r, p, 0.05)
+                loss_and_grad(static_lp, 0.05)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = bandpo_lut.clip(static_r, p, 0.05)
+            static_a = static_lp.detach().clone().requires_grad_()
+            static_loss, _ = bandpo_lut.policy_loss(static_a, olp, adv, delta=0.05, max_ratio=10.0)
+            static_loss.backward()
+        for k in range(3):
+            static_r.copy_(r * (0.5 + 0.25 * k))
+            static_lp.copy_((lp * (1 + 0.1 * k)).clamp(max=0))
+            graph.replay()
+            torch.cuda.synchronize()
+            want_loss, want_grad = loss_and_grad(static_lp, 0.05)
+            ok = (torch.equal(static_out, bandpo_lut.clip(static_r, p, 0.05)) and torch.equal(static_loss, want_loss)
+                  and torch.equal(static_a.grad, want_grad))
+            report(f"CUDA graph replay {k}: clip and policy_loss equal to eager", ok)
+    except Exception as err:
+        import traceback
+
+        traceback.print_exc()
+        report(f"compile/graph checks raised {type(err).__name__}", False)
+
+
 def fused_linear(seed: int) -> None:
-    """Step 6: tools/gpu_check_fused_linear.py's checks and table; a crash is a failure, the summary still prints."""
+    """Step 7: tools/gpu_check_fused_linear.py's checks and table; a crash is a failure, the summary still prints."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -283,17 +482,46 @@ def finish() -> int:
     return 0
 
 
+def plan(args, arch: str) -> None:
+    """--dry-run: what would run, in order."""
+    print("[plan]")
+    if args.no_build:
+        print("  1. no build: the installed bandpo_lut is checked; import check in a fresh process")
+    else:
+        for name, env in compiler_envs(args.compilers):
+            print(f"  1. build with {name}: CXX={env.get('CXX', '(unset: c++)')} CC={env.get('CC', '(unset: cc)')}"
+                  f" ({compiler_line(env)}), TORCH_CUDA_ARCH_LIST={arch}; then the import check in a fresh process")
+    print("  2. ptxas figures of csrc/cuda/*.cu")
+    print(f"  3. pytest -m {'cuda and not slow' if args.quick else 'cuda'!r} tests (log: pytest.log)")
+    print("  4. compute-sanitizer memcheck, racecheck, synccheck on --workload" if not args.no_sanitizer else
+          "  4. (no sanitizer)")
+    print("  5. timing table   6. torch.compile and CUDA-graph capture   7. fused linear")
+    print(f"  logs: {LOG_DIR if LOG_DIR else '(none: give --out DIR or set $OUT)'}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
+                    help="folder for gpu_check.log and the per-step logs (default: $OUT when set)")
+    ap.add_argument("--compilers", type=lambda v: [c for c in v.split(",") if c], default=["system", "default"],
+                    help="compilers to build with, comma-separated, the last one's build stays installed: default "
+                         "(the environment's CXX / c++), system (CXX=/usr/bin/g++ CC=/usr/bin/gcc); "
+                         "default: system,default")
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default {DEFAULT_SEED})")
     ap.add_argument("--no-build", action="store_true", help="check the installed build as it is")
     ap.add_argument("--no-sanitizer", action="store_true")
     ap.add_argument("--quick", action="store_true", help="the CUDA tests without the slow ones (no 2^31-element case)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and the compilers found; run nothing")
     ap.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)      # under compute-sanitizer
     args = ap.parse_args()
+    if args.out and not args.workload:
+        start_log(args.out)
     print(f"gpu_check: seed {args.seed} (rerun with --seed {args.seed})", flush=True)
     import torch
 
+    if args.dry_run:
+        plan(args, local_arch() if torch.cuda.is_available() else "(the GPU's)")
+        return 0
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device", file=sys.stderr)
         return 1
@@ -303,13 +531,21 @@ def main() -> int:
         return 0
     t0 = time.time()
     arch = local_arch()
-    if not args.no_build:
-        build(arch)
+    print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, Python {sys.version.split()[0]}")
+    if args.no_build:
+        import_check("installed", dict(os.environ))
+    else:
+        for name, env in compiler_envs(args.compilers):
+            if build(arch, name, env):
+                import_check(name, env)
+        if FAILURES:      # a build that does not import: the steps below would test something else
+            return finish()
     ptxas_figures(arch)
     cuda_tests(args.quick)
     if not args.no_sanitizer:
         run_sanitizers(args.seed)
     timing(None)
+    compile_and_graph()
     fused_linear(args.seed)
     print(f"\ngpu_check: {time.time() - t0:.0f} s in all, seed {args.seed}")
     return finish()

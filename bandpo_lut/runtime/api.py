@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from bandpo_lut.runtime.table_cache import TableArgs, compiled_ops, scalar_delta, table_args, table_for  # noqa: F401 (api.table_args: tests, tools)
-from bandpo_lut.tables.checks import check_max_ratio, check_tensor, compiled_divergence, is_number
+from bandpo_lut.tables.checks import check_max_ratio, check_tensor, compiled_divergence, is_host_scalar, is_number
 
 
 def check_broadcast(named) -> None:
@@ -52,9 +52,9 @@ def prepare_args(p_old, log_p_old, delta, divergence, max_ratio, others=()) -> B
         raise TypeError(f"delta: expected a number or a floating tensor, got {type(delta).__name__}")
     for other_name, t in named:
         check_tensor(other_name, t)
-        if t.device != prob.device:
+        if t.device != prob.device and not (other_name == "delta" and is_host_scalar(t)):
             raise ValueError(f"{other_name}: is on {t.device} but {name} is on {prob.device}; "
-                             "put all tensors on one device")
+                             "put all tensors on one device (a 0-dim CPU delta may go with any)")
     check_broadcast(named)
     dtype = prob.dtype
     for _, t in named:

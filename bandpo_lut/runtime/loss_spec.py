@@ -14,6 +14,7 @@ import torch
 
 from bandpo_lut.tables.checks import check_max_ratio as _check_max_ratio
 from bandpo_lut.tables.checks import check_tensor as check_floating_tensor
+from bandpo_lut.tables.checks import is_host_scalar as _is_host_scalar
 from bandpo_lut.tables.checks import is_number as _is_number
 
 AGGS = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -111,13 +112,15 @@ def _check_tensor(name: str, x, like: torch.Tensor | None) -> None:
 
 def _check_delta_tensor(delta: torch.Tensor, log_prob: torch.Tensor) -> None:
     """A per-token δ: the same dtype rule as `bounds`/`clip` (one check, `checks.check_tensor`), on
-    log_prob's device, broadcastable to log_prob's shape (batch, T)."""
+    log_prob's device (or a 0-dim CPU δ, read on the host: `checks.is_host_scalar`), broadcastable to log_prob's
+    shape (batch, T)."""
     try:
         check_floating_tensor("delta", delta)
     except TypeError as err:
         raise TypeError(f"policy_loss: {err}") from None
-    if delta.device != log_prob.device:
-        raise ValueError(f"policy_loss: delta is on {delta.device} but log_prob is on {log_prob.device}")
+    if delta.device != log_prob.device and not _is_host_scalar(delta):
+        raise ValueError(f"policy_loss: delta is on {delta.device} but log_prob is on {log_prob.device}; give it "
+                         "on log_prob's device, or a 0-dim CPU tensor")
     shape = tuple(log_prob.shape)
     ok = delta.dim() <= len(shape) and all(d in (1, s) for d, s in zip(reversed(tuple(delta.shape)), reversed(shape)))
     if not ok:

@@ -23,6 +23,15 @@ def is_number(x) -> bool:
     return isinstance(x, (numbers.Real, torch.SymFloat, torch.SymInt)) and not isinstance(x, bool)
 
 
+def is_host_scalar(delta) -> bool:
+    """A 0-dim δ tensor on the CPU: one δ for every element, read on the host by the kernels (csrc/band_host.h
+    is_host_scalar_delta), so it may sit next to tensors on any device, as a 0-dim CPU tensor may in torch's own
+    ops. Reading it is not a device synchronisation, and under torch.compile it is a graph input (a new value is
+    not a recompile). Under a CUDA graph capture its value at capture is what replays use: a δ that changes
+    between replays must be a tensor on the GPU."""
+    return isinstance(delta, torch.Tensor) and delta.dim() == 0 and delta.device.type == "cpu"
+
+
 def check_tensor(name: str, x) -> None:
     """The one check of a floating tensor argument, shared by every entry point."""
     if not isinstance(x, torch.Tensor):

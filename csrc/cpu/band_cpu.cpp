@@ -32,9 +32,15 @@ namespace bandpo {
 std::shared_ptr<const CellPolys> cell_polys(const BandParams& band) {
   static std::mutex mu;
   static std::unordered_map<std::string, std::shared_ptr<const CellPolys>> cache;
-  std::string key(sizeof(void*) + sizeof(double), '\0');
-  std::memcpy(&key[0], &band.table.coef, sizeof(void*));
-  std::memcpy(&key[sizeof(void*)], &band.delta, sizeof(double));
+  // The key holds the table's geometry besides its address: a table tensor freed and another allocated at the
+  // same address (a temporary `table.cpu()` copy per call did this in tests/runtime/test_ops_device_limits.py) must not
+  // get the first one's cells, of another length (read out of bounds: NaN and garbage bounds, issue 26).
+  const TableView& tb = band.table;
+  const double geometry[] = {
+      static_cast<double>(tb.nt), static_cast<double>(tb.ns), tb.t_min, tb.t_step, tb.s_min, tb.s_step, band.delta};
+  std::string key(sizeof(void*) + sizeof(geometry), '\0');
+  std::memcpy(&key[0], &tb.coef, sizeof(void*));
+  std::memcpy(&key[sizeof(void*)], geometry, sizeof(geometry));
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;

@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 namespace bandpo {
 
@@ -36,19 +37,24 @@ inline CpuVariant cpu_variant_supported() {
   return CpuVariant::kBaseline;
 }
 
+// Runs at import (csrc/facts.h): each message is one C string, which TORCH_CHECK passes on as it is; several
+// arguments (or one std::string: c10::str's specialisation misses it) it formats with an ostringstream, the
+// iostream code that a statically linked libstdc++ crashed in (issue 26).
 inline CpuVariant cpu_variant_from_env() {
   const CpuVariant best = cpu_variant_supported();
   const char* env = std::getenv("BANDPO_LUT_CPU_VARIANT");
   if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return best;
   for (CpuVariant v : {CpuVariant::kBaseline, CpuVariant::kAvx2, CpuVariant::kAvx512}) {
     if (std::strcmp(env, cpu_variant_name(v)) != 0) continue;
-    TORCH_CHECK(static_cast<int>(v) <= static_cast<int>(best), "bandpo_lut: environment variable ",
-                "BANDPO_LUT_CPU_VARIANT=", env, " asks for a kernel this CPU cannot run (it supports up to ",
-                cpu_variant_name(best), ")");
+    TORCH_CHECK(static_cast<int>(v) <= static_cast<int>(best),
+                (std::string("bandpo_lut: environment variable BANDPO_LUT_CPU_VARIANT=") + env +
+                 " asks for a kernel this CPU cannot run (it supports up to " + cpu_variant_name(best) + ")")
+                    .c_str());
     return v;
   }
-  TORCH_CHECK(false, "bandpo_lut: environment variable BANDPO_LUT_CPU_VARIANT=", env,
-              " is not one of auto, avx512, avx2, baseline");
+  TORCH_CHECK(false, (std::string("bandpo_lut: environment variable BANDPO_LUT_CPU_VARIANT=") + env +
+                      " is not one of auto, avx512, avx2, baseline")
+                         .c_str());
   return best;
 }
 

@@ -227,7 +227,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cpu(
   LossOutputs out = empty_loss_outputs(lp);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lp.scalar_type(), "bandpo_lut::policy_loss_fwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(delta_scalar));
+    const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(params.band.delta));  // resolved: a host δ too
     at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
       for (int64_t chunk = c0; chunk < c1; ++chunk) {
         double* counts = &chunk_counts[chunk * kNumCounts];
@@ -281,7 +281,7 @@ at::Tensor loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& row_scale
   const double* S = scale.data_ptr<double>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lp.scalar_type(), "bandpo_lut::policy_loss_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(delta_scalar));
+    const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(params.band.delta));  // resolved: a host δ too
     scalar_t* out = grad.data_ptr<scalar_t>();
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
       acc_t lo[kBlock], up[kBlock];

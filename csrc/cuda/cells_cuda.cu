@@ -1,10 +1,10 @@
 // The scalar-δ cell cubics on the GPU, collapsed once per (device, table, δ, precision) and cached; the
 // shared-memory check; the resident grid size. See kernel_common.cuh.
 //
-// Tables live for the whole process (the table store never frees them), so the coefficient pointer is a
-// stable key. Cached arrays are never freed either: a δ schedule adds one small entry (8 values per t cell)
-// per distinct δ, and past kMaxEntries entries further δ values are collapsed per call instead (correct,
-// one extra small launch each).
+// Tables live for the whole process (the table store never frees them), so the coefficient pointer (with the
+// table's geometry, against an address reused by another table) is a stable key. Cached arrays are never freed either:
+// a δ schedule adds one small entry (8 values per t cell) per distinct δ, and past kMaxEntries entries further δ values
+// are collapsed per call instead (correct, one extra small launch each).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -51,7 +51,10 @@ struct Entry {
   bool complete = false;  // the event is known to have completed: no wait needed anywhere
 };
 
-using Key = std::tuple<const float*, int, double, bool>;  // (table coefficients, device, δ, double cells)
+// (table coefficients, device, δ, double cells, the table's geometry: nt, ns, t_min, t_step, s_min, s_step). The
+// geometry guards against a table freed and another allocated at its address (issue 26: then the cached cells
+// are another table's, of another length).
+using Key = std::tuple<const float*, int, double, bool, int, int, double, double, double, double>;
 
 bool capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -70,7 +73,8 @@ const void* cached_cells(const BandParams& band, bool as_double, cudaStream_t st
   const auto options = at::TensorOptions().device(at::kCUDA, device).dtype(as_double ? at::kDouble : at::kFloat);
   const bool in_capture = capturing(stream);
   std::lock_guard<std::mutex> lock(mu);
-  const Key key{band.table.coef, device, band.delta, as_double};
+  const TableView& tb = band.table;
+  const Key key{tb.coef, device, band.delta, as_double, tb.nt, tb.ns, tb.t_min, tb.t_step, tb.s_min, tb.s_step};
   auto it = cache.find(key);
   if (it != cache.end()) {
     Entry& e = it->second;

@@ -67,6 +67,26 @@ def test_dense_tables(device, factor, dtype):
     assert torch.isfinite(out[0]) and torch.isfinite(out[1]).all()
 
 
+def test_a_table_at_a_reused_address_gets_its_own_cells(device):
+    """The scalar-δ cell cubics are cached per table; a table freed and another allocated at its address must not
+    get the first one's cells (issue 26: test_dense_tables' per-call `table.cpu()` copies landed at one address, and
+    the CPU reference read the x4 table's cells, a quarter as many, for the x16 table: NaN and garbage bounds where
+    the GPU was right). Here both tables are views of one buffer, so they share their address for certain."""
+    small, grid_small = dense_kl_table(1, device)
+    large, grid_large = dense_kl_table(4, device)
+    buf = torch.empty(large.numel(), dtype=torch.float32, device=device)
+    g = torch.Generator().manual_seed(11)
+    x = torch.sigmoid(torch.empty(2000, dtype=torch.float64).uniform_(-15, 15, generator=g)).to(device)
+    for table, grid in ((small, grid_small), (large, grid_large)):
+        view = buf[:table.numel()].view(table.shape)
+        view.copy_(table)
+        scalar = torch.ops.bandpo_lut.bounds(x, None, 0.05, view, grid, 0, False, math.inf)
+        token = torch.ops.bandpo_lut.bounds(x, torch.full_like(x, 0.05), 0.05, view, grid, 0, False, math.inf)
+        # the full 2-D spline per element (no cells) is the reference
+        assert rel_error_lower(scalar[0], token[0]).max() <= 1e-12
+        assert rel_error_upper(scalar[1], token[1]).max() <= 1e-12
+
+
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
@@ -82,7 +102,9 @@ def test_cuda_loss_matches_cpu_on_many_and_long_rows():
         for agg in ("token-mean", "seq-mean-token-mean"):
             res = []
             for dev in ("cpu", "cuda"):
-                a = lp.to(dev).requires_grad_()
+                # A leaf of its own per device and agg: `lp.to("cpu")` is lp itself, whose requires_grad_() would
+                # make the CUDA copy a non-leaf (no .grad) and accumulate the CPU gradient across the aggs.
+                a = lp.detach().to(dev, copy=True).requires_grad_()
                 loss, metrics = bandpo_lut.policy_loss(a, olp.to(dev), adv.to(dev), mask.to(dev), agg=agg)
                 loss.backward()
                 res.append((loss.cpu(), {k: v.cpu() for k, v in metrics.items()}, a.grad.cpu()))
