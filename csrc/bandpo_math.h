@@ -192,6 +192,7 @@ BANDPO_HD void prob_terms_t(T x, T& p, T& one_minus_p, T& t, T exp_x = T(0)) {
     t = x - log_any(one_minus_p);
     p = (x > T(0)) ? nan : p;
   } else {
+    x = x + T(0);  // -0 -> +0 (round to nearest), every other x unchanged: p = -0 is p = 0, not 1/p = -inf
     p = x;
     one_minus_p = T(1) - x;
     t = log_any(x / one_minus_p);
@@ -419,6 +420,7 @@ BANDPO_HD ClosedDelta<T> closed_delta_in_range(Divergence div, const TableView& 
 template <typename T>
 BANDPO_HD void prob_and_complement(T x, T& p, T& one_minus_p) {
   const T nan = T(0) / T(0);
+  x = x + T(0);  // -0 -> +0, as in prob_terms_t
   p = ((x < T(0)) | (x > T(1))) ? nan : x;
   one_minus_p = (p != p) ? nan : T(1) - x;
 }

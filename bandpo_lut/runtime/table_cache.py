@@ -9,6 +9,8 @@ torch.compile with or without fullgraph/dynamic, torch.export, a FakeTensorMode)
     importing that decorator would import torch._dynamo with the package, ~2 s).
   * The tensors are built with every dispatch mode switched off, so that a cache filled during tracing
     holds real tensors, never FakeTensors, and later eager calls are unaffected.
+  * `table_for` reads them as attributes of `_SLOTS`, not from the dict, so that one compiled frame may read
+    tables first loaded during its own trace (see `_Slots`).
   * They are marked static for Dynamo, so that dynamic=True never makes a table size symbolic (a batch
     dimension equal to a table size must not couple the two).
   * A scalar δ that Dynamo turns into a symbolic float (a δ schedule under torch.compile) reaches the
@@ -50,6 +52,20 @@ def check_delta(delta, meta: TableMeta) -> None:
 _COEFFICIENTS: dict = {}   # (divergence or None, device string) -> real float32 coefficient tensor (or placeholder)
 
 
+class _Slots:
+    """The same tensors as `_COEFFICIENTS`, one attribute per key (`_slot_name`): what `table_for` reads.
+    Dynamo takes a snapshot of a dict's keys at the dict's first read in a frame, so a key that `_table_meta`
+    adds later in the same frame (a second divergence, or a baseline clip next to the band, in one compiled
+    function) would be missing from it (KeyError); an attribute is looked up on the object when it is read."""
+
+
+_SLOTS = _Slots()
+
+
+def _slot_name(divergence: str | None, device: str) -> str:
+    return f"{divergence}@{device}"
+
+
 def _real_tensor_scope():
     # Ordinary tensors whatever the first call's context: no dispatch mode (FakeTensorMode, export/make_fx's
     # proxies), no inference mode, no jit tracer (see tables.ordinary_tensor_scope).
@@ -86,6 +102,7 @@ def _table_meta(divergence: str | None, device: str) -> TableMeta:
             coefficients = (table.coefficients(device) if read  # float32, like the placeholder (whatever the default)
                             else torch.empty(2, 0, 0, dtype=torch.float32, device=device))
             _COEFFICIENTS[key] = _mark_static(coefficients)
+            setattr(_SLOTS, _slot_name(divergence, device), coefficients)
     return meta
 
 
@@ -95,7 +112,7 @@ def table_for(divergence: str | None, prob: torch.Tensor) -> tuple[TableMeta, to
     outside Dynamo)."""
     device = str(prob.device)
     meta = _table_meta(divergence, device)
-    coefficients = _COEFFICIENTS[(divergence, device)]
+    coefficients = getattr(_SLOTS, _slot_name(divergence, device))
     if not torch.compiler.is_compiling():
         fake_mode = getattr(prob, "fake_mode", None)   # a FakeTensor: use the mode's (memoised) fake copy
         if fake_mode is not None:

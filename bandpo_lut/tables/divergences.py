@@ -61,6 +61,10 @@ class Divergence:
     polish_lower: int = 0
     # Closed form of the continued roots (q_lo, q_up) = p·(r_lo, r_up), unclamped: (p, 1-p, δ, m).
     closed_form: Optional[Callable] = None
+    # A positive multiple of p - p*, p* the point where the lower bound saturates, free of cancellation:
+    # (p, 1-p, δ, m). In float arithmetic its sign decides the lower saturation (the generic test
+    # `lower_saturated` rounds the wrong way within a few ulp of p*, where the bound is tiny but not 0).
+    lower_gap: Optional[Callable] = None
     # lim_{p→0} p·r_up (None when it is 0, i.e. r_up grows slower than c/p) and lim_{p→1} r_lo.
     upper_q_at_p0: Optional[Callable] = None
     lower_r_at_p1: Optional[Callable] = None
@@ -192,6 +196,7 @@ TV = register(Divergence(
     df=lambda u, m: m.where(u > 1, 0.5, -0.5),
     continuation="f", lower_value="q", polish_upper=2, polish_lower=2, delta_max_inclusive=False,
     closed_form=_tv_closed,
+    lower_gap=lambda p, omp, d, m: p - d,             # exact near p* = δ (Sterbenz)
     upper_q_at_p0=lambda d, m: d,
     lower_r_at_p1=lambda d, m: 1 - d,
 ))
@@ -203,6 +208,7 @@ CHI2 = register(Divergence(
     df=lambda u, m: 2 * (u - 1),
     continuation="f", lower_value="q", polish_upper=2, polish_lower=2,
     closed_form=_chi2_closed,
+    lower_gap=lambda p, omp, d, m: _gap(p, d, p),     # p - δ(1-p) = (1+δ)·(p - δ/(1+δ))
     upper_q_at_p0=None,                               # r_up ~ sqrt(δ/p): p·r_up → 0
     lower_r_at_p1=lambda d, m: 1 + 0 * d,
 ))
@@ -214,6 +220,7 @@ HELLINGER = register(Divergence(
     df=lambda u, m: 1 - 1 / m.sqrt(u),
     continuation="closed_form", lower_value="q", polish_upper=2, polish_lower=2,
     closed_form=_hellinger_closed,
+    lower_gap=lambda p, omp, d, m: _gap(p, d, d / 4),  # p - sin²α = p - δ(1 - δ/4)
     upper_q_at_p0=lambda d, m: d * (1 - d / 4),       # sin²α
     lower_r_at_p1=lambda d, m: (1 - d / 2) ** 2,      # cos²α
 ))

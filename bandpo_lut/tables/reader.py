@@ -183,8 +183,14 @@ def bounds(p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, table=Non
         lower = torch.where(big, q_lo / ps, lower)
     else:
         lower = q_lo / ps
-    sat_lo = (t < table.t.min) | div.lower_saturated(ps, omps, d, m) if div.f_at_zero is not None \
-        else torch.zeros_like(p, dtype=torch.bool)
+    if div.lower_gap is not None:
+        # The sign of the gap, not the generic test: that one, p·f(0) + (1-p)·f(1/(1-p)) ≤ δ in float64,
+        # rounds to "saturated" a few ulp above p* (chi2, δ = 1/3, p = 0.25 gave 0 for 2.8e-17).
+        sat_lo = (t < table.t.min) | (div.lower_gap(ps, omps, d, m) <= 0)
+    elif div.f_at_zero is not None:
+        sat_lo = (t < table.t.min) | div.lower_saturated(ps, omps, d, m)
+    else:
+        sat_lo = torch.zeros_like(p, dtype=torch.bool)
     lower = torch.where(sat_lo, zero, lower)
     lower = torch.where(p == 0, zero, lower)
     lower = torch.where(omp == 0, div.lower_r_at_p1(d, m) * one, lower)

@@ -1,5 +1,6 @@
 """The first use of the package in a fresh process may be torch.compile (default, fullgraph, dynamic, with
-backward), torch.export, a FakeTensorMode or a δ schedule under fullgraph; each must work, and eager use
+backward), torch.export, a FakeTensorMode, a δ schedule under fullgraph, or a compiled frame reading two tables
+(two divergences, or a baseline clip next to the band); each must work, and eager use
 afterwards in the same process must be unaffected. One subprocess per scenario
 (tests/support/first_use_scenarios.py)."""
 from __future__ import annotations
@@ -11,7 +12,8 @@ from helpers import fresh_env, run_fresh
 
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "first_use_scenarios.py"
 SCENARIOS = ["compile_default", "compile_fullgraph", "compile_dynamic_loss", "compile_dynamic_clip", "export",
-             "fake_mode", "delta_schedule", "readme_loss_dynamic"]
+             "fake_mode", "delta_schedule", "readme_loss_dynamic", "two_divergences_one_frame",
+             "fixed_clip_next_to_band"]
 
 
 def test_every_scenario_is_listed():

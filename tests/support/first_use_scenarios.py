@@ -166,6 +166,29 @@ def scenario_readme_loss_dynamic():
         assert torch.allclose(f(lp, olp, adv, mask)[0], bandpo_lut.policy_loss(lp, olp, adv, mask)[0], rtol=1e-6)
 
 
+def scenario_two_divergences_one_frame():
+    # The first call in the process compiles a frame that reads two tables (the second key was once missing
+    # from Dynamo's snapshot of the table cache: KeyError).
+    g = torch.Generator().manual_seed(5)
+    p = torch.rand(64, generator=g, dtype=torch.float64) * 0.98 + 0.01
+    f = torch.compile(lambda q: (bandpo_lut.bounds(q, 0.05, "kl"), bandpo_lut.bounds(q, 0.2, "chi2")), fullgraph=True)
+    (klo, kup), (clo, cup) = f(p)
+    for (lo, up), (rlo, rup), name in (((klo, kup), ref_bounds(p, 0.05, "kl"), "kl"),
+                                       ((clo, cup), ref_bounds(p, 0.2, "chi2"), "chi2")):
+        close(up, rup, f"compiled {name} upper bounds next to another divergence")
+        close(lo, rlo, f"compiled {name} lower bounds next to another divergence")
+
+
+def scenario_fixed_clip_next_to_band():
+    # the loss's baseline clip (no table) and the band in the first compiled frame of the process
+    lp, olp, adv = batch()
+    f = torch.compile(lambda a, b, c: (bandpo_lut.policy_loss(a, b, c, clip="fixed")[0],
+                                       bandpo_lut.policy_loss(a, b, c, delta=0.05)[0]), fullgraph=True)
+    fixed, band = f(lp, olp, adv)
+    close(fixed, ref_policy_loss(lp.double(), olp.double(), adv.double(), clip="fixed")[0], "compiled fixed clip")
+    close(band, ref_policy_loss(lp.double(), olp.double(), adv.double(), delta=0.05)[0], "compiled band loss")
+
+
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 if __name__ == "__main__":

@@ -90,6 +90,47 @@ def test_reference_special_values():
         ref_bounds(torch.tensor([1, 2]), 0.05)
 
 
+def _lower_truth(divergence: str, p: float, d: float):
+    """r_lo from the closed form in mpmath (60 digits) at the float64 values p and δ taken exactly: 0 once saturated."""
+    import mpmath
+    with mpmath.workdps(60):
+        p, d = mpmath.mpf(p), mpmath.mpf(d)
+        if divergence == "tv":
+            r = 1 - d / p
+        elif divergence == "chi2":
+            r = 1 - mpmath.sqrt(d * (1 - p) / p)
+        else:  # hellinger: √q = √p·cos α - √(1-p)·sin α, cos α = 1 - δ/2
+            root = mpmath.sqrt(p) * (1 - d / 2) - mpmath.sqrt((1 - p) * d * (1 - d / 4))
+            r = root ** 2 / p if root > 0 else mpmath.mpf(0)
+        return max(r, mpmath.mpf(0))
+
+
+@pytest.mark.parametrize("name", ["tv", "chi2", "hellinger"])
+def test_reference_lower_bound_near_saturation_against_mpmath(name):
+    """Within a few ulp of the lower saturation point p* the bound is tiny but not 0: the reference gives it to
+    a relative 1e-12, and exactly 0 where it is saturated (the generic float64 test gave chi2 δ = 1/3,
+    p = 0.25 a bound of 0 for 2.8e-17)."""
+    import mpmath
+    points = [(1 / 3, 0.25)] if name == "chi2" else []
+    for d in [1e-3, 0.05, 0.2, 1 / 3, 0.5, 0.9]:
+        with mpmath.workdps(60):
+            md = mpmath.mpf(d)
+            star = {"tv": md, "chi2": md / (1 + md), "hellinger": md * (1 - md / 4)}[name]
+        p0 = float(star)
+        for k in range(-4, 5):
+            points.append((d, p0 + k * math.ulp(p0)))
+        points += [(d, p0 * (1 + 1e-12)), (d, p0 * (1 + 1e-8)), (d, p0 * (1 + 1e-4))]
+    delta = torch.tensor([d for d, _ in points], dtype=torch.float64)
+    p = torch.tensor([q for _, q in points], dtype=torch.float64)
+    lo, _ = ref_bounds(p, delta, name)
+    for (d, q), got in zip(points, lo.tolist()):
+        truth = _lower_truth(name, q, d)
+        if truth == 0:
+            assert got == 0, (name, d, q, got)
+        else:
+            assert abs(got - truth) <= 1e-12 * truth, (name, d, q, got, float(truth))
+
+
 def test_float32_worst_rounds_the_truth_and_counts_nan():
     """The error measure of the float32 accuracy figures (bench, tools/measure_accuracy.py)."""
     worst32 = accuracy.float32_worst
