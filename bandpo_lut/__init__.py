@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 from .api import bounds, clip  # noqa: E402
 from .divergences import names as divergence_names  # noqa: E402
 from .loss import COUNTS, FRACTIONS, BandPolicyLoss, metrics_from_counts, policy_loss  # noqa: E402
+from .settings import LossSettings  # noqa: E402
 
 
 def _register_ops() -> None:
@@ -34,7 +35,8 @@ def build_info() -> dict:
     return info
 
 
-__all__ = ["bounds", "clip", "policy_loss", "fused_linear_policy_loss", "BandPolicyLoss", "metrics_from_counts",
+__all__ = ["bounds", "clip", "policy_loss", "fused_linear_policy_loss", "BandPolicyLoss", "LossSettings",
+           "metrics_from_counts",
            "COUNTS", "FRACTIONS", "build_info", "divergence_names", "__version__"]
 
 

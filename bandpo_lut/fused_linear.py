@@ -44,6 +44,7 @@ import torch.autograd.forward_ad as _forward_ad
 from . import checks as _checks
 from . import loss as _loss
 from . import loss_spec as _spec
+from . import settings as _settings
 from . import table_cache as _cache
 
 # Default chunk: about 2**25 logits (128 MB in float32) per chunk, at least 1 and at most all tokens.
@@ -60,7 +61,8 @@ def default_chunk_size(n_tokens: int, vocab: int) -> int:
 def fused_linear_policy_loss(hidden, weight, token_ids, old_log_prob, advantages, mask=None, *, bias=None,
                              temperature=1.0, chunk_size=None, ref_log_prob=None, beta=0.0, return_entropy=False,
                              delta=0.05, divergence="kl", max_ratio=None, dual_clip=None, agg="token-mean",
-                             clip="band", mode="clip", eps_low=None, eps_high=None, _with_log_prob=False):
+                             clip="band", mode="clip", eps_low=None, eps_high=None, settings=None,
+                             _with_log_prob=False):
     """`bandpo_lut.policy_loss` of the log-probs of `token_ids` under `(hidden @ weight.T + bias) / temperature`,
     computed chunk by chunk without the full logits (see the module docstring).
 
@@ -73,7 +75,8 @@ def fused_linear_policy_loss(hidden, weight, token_ids, old_log_prob, advantages
             logits per chunk). ref_log_prob, beta: with beta > 0, adds beta times the aggregated k3 estimate
             of KL(pi || pi_ref) (as TRL and Liger compute it) to the loss. return_entropy: also return the
             per-token entropy of the softmax, (batch, T) float32, without gradient.
-        delta, divergence, max_ratio, dual_clip, agg, clip, mode, eps_low, eps_high: as `policy_loss`.
+        delta, divergence, max_ratio, dual_clip, agg, clip, mode, eps_low, eps_high, settings: as `policy_loss`
+            (settings: a `bandpo_lut.LossSettings` instead of the nine keyword options).
     Returns:
         (loss, metrics), or (loss, metrics, entropy) with return_entropy=True. metrics: policy_loss's
         metrics of the same log-probs, plus "kl" (the masked mean of k3) when ref_log_prob is given.
@@ -82,12 +85,15 @@ def fused_linear_policy_loss(hidden, weight, token_ids, old_log_prob, advantages
     """
     _refuse_transforms(hidden, weight, bias)
     batch, steps = _check_inputs(hidden, weight, bias, token_ids, temperature, chunk_size, ref_log_prob, beta)
+    loss_settings = _settings.resolve(settings, dict(
+        delta=delta, divergence=divergence, max_ratio=max_ratio, dual_clip=dual_clip, agg=agg, clip=clip, mode=mode,
+        eps_low=eps_low, eps_high=eps_high), _NAME)
     acc = torch.promote_types(hidden.dtype, torch.float32)
-    # A stand-in log_prob: policy_loss's own checks and dtype rules on the per-token inputs.
-    stand_in = torch.zeros((batch, steps), dtype=acc, device=hidden.device)
+    # The log-probs' shape, dtype and device (one element, expanded: no stand-in batch allocated) for
+    # policy_loss's own checks and dtype rules on the per-token inputs.
+    log_prob_like = torch.zeros((), dtype=acc, device=hidden.device).expand(batch, steps)
     _, olp, adv, mask_op, delta_t, settings = _loss.op_inputs(
-        stand_in, old_log_prob, advantages, mask, delta, divergence, max_ratio, dual_clip, agg, clip, mode,
-        eps_low, eps_high)
+        log_prob_like, old_log_prob, advantages, mask, loss_settings)
     dtype = olp.dtype   # policy_loss's compute dtype (float32 unless old_log_prob/advantages are float64)
     # 0: the default, chosen inside the chunk op (min(n_tokens, ...) here would guard on the token count)
     chunk = 0 if chunk_size is None else int(chunk_size)
@@ -99,7 +105,7 @@ def fused_linear_policy_loss(hidden, weight, token_ids, old_log_prob, advantages
         ref = ref_log_prob.detach().to(dtype)
     loss, metric_vec, kl_mean, entropy, log_prob = _FusedLinearLoss.apply(
         hidden, weight, bias, token_ids, olp, adv, mask_op, delta_t, ref, settings,
-        (float(temperature), chunk, float(beta), _spec.AGG_ID[agg], needs, return_entropy))
+        (float(temperature), chunk, float(beta), _spec.AGG_ID[loss_settings.agg], needs, return_entropy))
     metrics = dict(zip(_spec.METRICS, metric_vec.unbind()))
     if ref_log_prob is not None:
         metrics["kl"] = kl_mean
