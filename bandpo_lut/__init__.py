@@ -11,6 +11,7 @@ from bandpo_lut import _moved
 from bandpo_lut._version import __version__
 from bandpo_lut.runtime.api import bounds, clip
 from bandpo_lut.runtime.loss import COUNTS, FRACTIONS, BandPolicyLoss, metrics_from_counts, policy_loss
+from bandpo_lut.runtime.settings import LossSettings
 from bandpo_lut.tables.divergences import names as divergence_names
 
 
@@ -36,7 +37,8 @@ def build_info() -> dict:
     return info
 
 
-__all__ = ["bounds", "clip", "policy_loss", "fused_linear_policy_loss", "BandPolicyLoss", "metrics_from_counts",
+__all__ = ["bounds", "clip", "policy_loss", "fused_linear_policy_loss", "BandPolicyLoss", "LossSettings",
+           "metrics_from_counts",
            "COUNTS", "FRACTIONS", "build_info", "divergence_names", "__version__"]
 
 

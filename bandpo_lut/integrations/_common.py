@@ -9,10 +9,9 @@ integrations ask "can bandpo_lut compute this band?".
 """
 from __future__ import annotations
 
-import math
 import warnings
 
-from bandpo_lut.tables.checks import delta_interval, in_delta_range, is_number, max_ratio_ok
+from bandpo_lut.tables.checks import is_number
 from bandpo_lut.tables.divergences import compiled_names as compiled_divergences
 
 # The paper's settings (BandPO: KL trust region, δ = 0.05, upper ratio bound capped at 10, dual
@@ -28,30 +27,18 @@ def check_band(divergence, delta, max_ratio, *, field: dict) -> None:
     `field` maps "divergence", "delta", "max_ratio" to the user's names for them (e.g.
     ``{"delta": "band_delta", ...}`` or ``"actor.policy_loss.band_delta"``), so that every message
     names the setting the user wrote. Raises ValueError.
-    """
-    from bandpo_lut.tables import divergences
 
-    known = divergences.names()
-    compiled = compiled_divergences()
-    if not isinstance(divergence, str) or divergence not in known:
-        raise ValueError(f"{field['divergence']}={divergence!r} is not a divergence; choose one of "
-                         f"{compiled} (paper: {PAPER['divergence']!r})")
-    if divergence not in compiled:
-        raise ValueError(f"{field['divergence']}={divergence!r} has no compiled kernel in this build "
-                         f"(only the pure-PyTorch reference reads it); a training loss can use "
-                         f"{compiled} (paper: {PAPER['divergence']!r})")
-    if not (is_number(delta) and math.isfinite(delta) and delta > 0):
-        raise ValueError(f"{field['delta']} must be a positive number (the trust-region radius δ, "
-                         f"paper: {PAPER['delta']}), got {delta!r}")
-    lo, hi, hi_inclusive = delta_range(divergence)
-    if not in_delta_range(delta, lo, hi, hi_inclusive):
-        raise ValueError(f"{field['delta']}={delta!r} is outside the range of the shipped "
-                         f"{divergence!r} table, {delta_interval(lo, hi, hi_inclusive)} "
-                         f"(paper: {PAPER['delta']})")
-    if not max_ratio_ok(max_ratio):
-        raise ValueError(f"{field['max_ratio']} must be a number >= 1 (the cap of the upper ratio "
-                         f"bound, paper: {PAPER['max_ratio']:g}) or None for no cap, got "
-                         f"{max_ratio!r}")
+    A thin wrapper: the checks are `bandpo_lut.LossSettings`' (the loss's one validation path), built with
+    the user's field names; the message gains the paper's settings as a hint.
+    """
+    from bandpo_lut.runtime.settings import LossSettings
+
+    try:
+        LossSettings(divergence=divergence, delta=delta, max_ratio=max_ratio, field_names=field)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{err} (paper: {field.get('divergence', 'divergence')}={PAPER['divergence']!r}, "
+                         f"{field.get('delta', 'delta')}={PAPER['delta']}, "
+                         f"{field.get('max_ratio', 'max_ratio')}={PAPER['max_ratio']:g})") from None
 
 
 def delta_range(divergence: str) -> tuple[float, float, bool]:

@@ -22,8 +22,13 @@ but the logits exist one chunk of `chunk_size` tokens at a time. How:
    exactly `policy_loss`'s loss and metrics on those log-probs.
 
 So the gradients are final when the forward returns (no second pass over the logits); the backward only
-scales them by the incoming gradient. Memory beyond the inputs and the gradients themselves: a few
-chunk x vocab buffers and O(tokens) vectors.
+scales them by the incoming gradient. Memory beyond the inputs and the gradients themselves: one
+chunk x vocab float32 buffer (two with return_entropy) and O(tokens) vectors.
+
+The chunk loop of step 2 is one custom op (`bandpo_lut::fused_linear_chunks`), so that torch.compile(dynamic=True)
+runs one graph for every token count. Supported: backward and torch.autograd.grad (first order; a second
+derivative raises NotImplementedError, as policy_loss's), torch.compile (fullgraph, dynamic). Refused with
+NotImplementedError: torch.func transforms and forward-mode AD.
 
 Out-of-range token ids (< 0 or >= vocab) are not checked on the host (that would synchronise a GPU every
 step): the token's log-prob is NaN, so a counted token gives a NaN loss and NaN gradients (NaN in, NaN out),
@@ -34,9 +39,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from bandpo_lut.runtime import loss as _loss
 from bandpo_lut.runtime import loss_spec as _spec
+from bandpo_lut.runtime import settings as _settings
 from bandpo_lut.runtime import table_cache as _cache
 from bandpo_lut.tables import checks as _checks
 
@@ -44,6 +51,7 @@ from bandpo_lut.tables import checks as _checks
 CHUNK_ELEMENTS = 2 ** 25
 
 _NAME = "fused_linear_policy_loss"
+TOKEN_ID_DTYPES = (torch.int64, torch.int32)
 
 
 def default_chunk_size(n_tokens: int, vocab: int) -> int:
@@ -53,7 +61,8 @@ def default_chunk_size(n_tokens: int, vocab: int) -> int:
 def fused_linear_policy_loss(hidden, weight, token_ids, old_log_prob, advantages, mask=None, *, bias=None,
                              temperature=1.0, chunk_size=None, ref_log_prob=None, beta=0.0, return_entropy=False,
                              delta=0.05, divergence="kl", max_ratio=None, dual_clip=None, agg="token-mean",
-                             clip="band", mode="clip", eps_low=None, eps_high=None, _with_log_prob=False):
+                             clip="band", mode="clip", eps_low=None, eps_high=None, settings=None,
+                             _with_log_prob=False):
     """`bandpo_lut.policy_loss` of the log-probs of `token_ids` under `(hidden @ weight.T + bias) / temperature`,
     computed chunk by chunk without the full logits (see the module docstring).
 
@@ -66,23 +75,28 @@ def fused_linear_policy_loss(hidden, weight, token_ids, old_log_prob, advantages
             logits per chunk). ref_log_prob, beta: with beta > 0, adds beta times the aggregated k3 estimate
             of KL(pi || pi_ref) (as TRL and Liger compute it) to the loss. return_entropy: also return the
             per-token entropy of the softmax, (batch, T) float32, without gradient.
-        delta, divergence, max_ratio, dual_clip, agg, clip, mode, eps_low, eps_high: as `policy_loss`.
+        delta, divergence, max_ratio, dual_clip, agg, clip, mode, eps_low, eps_high, settings: as `policy_loss`
+            (settings: a `bandpo_lut.LossSettings` instead of the nine keyword options).
     Returns:
         (loss, metrics), or (loss, metrics, entropy) with return_entropy=True. metrics: policy_loss's
         metrics of the same log-probs, plus "kl" (the masked mean of k3) when ref_log_prob is given.
         Gradients reach hidden, weight and bias; computation in float32 at least (bf16/fp16 inputs: matmuls
         in their dtype, softmax in float32), gradients in the inputs' dtypes.
     """
+    _refuse_transforms(hidden, weight, bias)
     batch, steps = _check_inputs(hidden, weight, bias, token_ids, temperature, chunk_size, ref_log_prob, beta)
-    n_tokens, vocab = batch * steps, weight.shape[0]
+    loss_settings = _settings.resolve(settings, dict(
+        delta=delta, divergence=divergence, max_ratio=max_ratio, dual_clip=dual_clip, agg=agg, clip=clip, mode=mode,
+        eps_low=eps_low, eps_high=eps_high), _NAME)
     acc = torch.promote_types(hidden.dtype, torch.float32)
-    # A stand-in log_prob: policy_loss's own checks and dtype rules on the per-token inputs.
-    stand_in = torch.zeros((batch, steps), dtype=acc, device=hidden.device)
+    # The log-probs' shape, dtype and device (one element, expanded: no stand-in batch allocated) for
+    # policy_loss's own checks and dtype rules on the per-token inputs.
+    log_prob_like = torch.zeros((), dtype=acc, device=hidden.device).expand(batch, steps)
     _, olp, adv, mask_op, delta_t, settings = _loss.op_inputs(
-        stand_in, old_log_prob, advantages, mask, delta, divergence, max_ratio, dual_clip, agg, clip, mode,
-        eps_low, eps_high)
+        log_prob_like, old_log_prob, advantages, mask, loss_settings)
     dtype = olp.dtype   # policy_loss's compute dtype (float32 unless old_log_prob/advantages are float64)
-    chunk = default_chunk_size(n_tokens, vocab) if chunk_size is None else int(chunk_size)
+    # 0: the default, chosen inside the chunk op (min(n_tokens, ...) here would guard on the token count)
+    chunk = 0 if chunk_size is None else int(chunk_size)
     grads = torch.is_grad_enabled()
     needs = (grads and hidden.requires_grad, grads and weight.requires_grad,
              grads and bias is not None and bias.requires_grad)
@@ -91,13 +105,30 @@ def fused_linear_policy_loss(hidden, weight, token_ids, old_log_prob, advantages
         ref = ref_log_prob.detach().to(dtype)
     loss, metric_vec, kl_mean, entropy, log_prob = _FusedLinearLoss.apply(
         hidden, weight, bias, token_ids, olp, adv, mask_op, delta_t, ref, settings,
-        (float(temperature), chunk, float(beta), _spec.AGG_ID[agg], needs, return_entropy))
+        (float(temperature), chunk, float(beta), _spec.AGG_ID[loss_settings.agg], needs, return_entropy))
     metrics = dict(zip(_spec.METRICS, metric_vec.unbind()))
     if ref_log_prob is not None:
         metrics["kl"] = kl_mean
     if _with_log_prob:
         return loss, metrics, entropy, log_prob
     return (loss, metrics, entropy) if return_entropy else (loss, metrics)
+
+
+def _refuse_transforms(hidden, weight, bias):
+    """torch.func transforms and forward-mode AD: refused by name. The gradients are formed in the forward by
+    an autograd.Function without setup_context or jvp (torch's own error would be about setup_context)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(
+            f"bandpo_lut: {_NAME} does not run under torch.func transforms (grad, vjp, jacrev, jvp, jacfwd, "
+            "vmap, hessian): its gradients are formed chunk by chunk in the forward. Use .backward() or "
+            "torch.autograd.grad, or the unfused log_softmax + bandpo_lut.policy_loss, which supports them.")
+    if _forward_ad._current_level >= 0 and any(
+            x is not None and _forward_ad.unpack_dual(x).tangent is not None for x in (hidden, weight, bias)):
+        raise NotImplementedError(
+            f"bandpo_lut: {_NAME} has no forward-mode derivative (a dual tensor reached hidden, weight or bias). "
+            "Use the unfused log_softmax + bandpo_lut.policy_loss, which supports forward mode.")
 
 
 def _check_inputs(hidden, weight, bias, token_ids, temperature, chunk_size, ref_log_prob, beta):
@@ -121,8 +152,9 @@ def _check_inputs(hidden, weight, bias, token_ids, temperature, chunk_size, ref_
         if bias.dtype != hidden.dtype or bias.device != hidden.device:
             raise ValueError(f"{_NAME}: bias is {bias.dtype} on {bias.device} but hidden is {hidden.dtype} on "
                              f"{hidden.device}; they must match")
-    if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
-        raise TypeError(f"{_NAME}: token_ids must be an integer tensor, got {token_ids.dtype}")
+    if token_ids.dtype not in TOKEN_ID_DTYPES:
+        # int16/uint8 cannot hold a real vocabulary's ids (uint8 not even -100); refused rather than widened
+        raise TypeError(f"{_NAME}: token_ids must be an integer tensor of dtype int64 or int32, got {token_ids.dtype}")
     if token_ids.shape != hidden.shape[:2]:
         raise ValueError(f"{_NAME}: token_ids has shape {tuple(token_ids.shape)} but hidden has (batch, T) = "
                          f"{tuple(hidden.shape[:2])}; they must be equal")
@@ -166,17 +198,128 @@ def _chunk_grad_logits(exps, total, g, idx, temperature):
     return exps
 
 
+# ---- the chunk loop, one opaque op ---------------------------------------------------------------------
+# Why an op: a Python loop `for start in range(0, n_tokens, chunk)` in traced code is unrolled by Dynamo, which
+# specialises the graph on the token count (one graph per length: under torch.compile(dynamic=True) the 9th
+# distinct length raised FailOnRecompileLimitHit). Inside a custom op the loop runs eagerly on real tensors
+# and the graph holds one node whose output shapes (the fake kernel below) are symbolic in the token count:
+# one graph for every length. The loop reads only shapes (no host synchronisation).
+def _chunked_pass_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                 olp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor | None, delta: torch.Tensor | None,
+                 token_scale: torch.Tensor | None, kl_scale: torch.Tensor | None, ref: torch.Tensor | None,
+                 delta_scalar: float, table: torch.Tensor, grid: list[float], divergence: int, clip: int,
+                 eps_low: float, eps_high: float, max_ratio: float, dual_clip: float, mode: int,
+                 temperature: float, chunk_size: int, want_entropy: bool, need_h: bool, need_w: bool,
+                 need_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per chunk of tokens: the log-prob of each token (and its entropy), and, when token_scale is given, the
+    chunk's contribution to the gradients of hidden (n, H), weight (V, H) and bias (V,).
+
+    hidden (n, H); ids (n,); olp, adv, mask, delta: (n, 1) per token (delta: or 0-dim, or None); token_scale,
+    kl_scale, ref: (n,) or None; the settings as `policy_loss_bwd` takes them. chunk_size 0: the default.
+    Returns (log_prob (n,), entropy (n,) or (0,), grad_h, grad_w, grad_b), each gradient (0,) when not asked
+    for. log_prob and entropy in the softmax dtype (float32 at least), grad_h in hidden's dtype, grad_w and
+    grad_b in the softmax dtype."""
+    ops = _cache.compiled_ops().ops
+    n_tokens, width = hidden.shape
+    vocab = weight.shape[0]
+    acc = torch.promote_types(hidden.dtype, torch.float32)   # softmax arithmetic
+    dtype = olp.dtype                                         # the loss's compute dtype
+    settings = (delta_scalar, table, grid, divergence, clip, eps_low, eps_high, max_ratio, dual_clip, mode)
+    chunk = default_chunk_size(n_tokens, vocab) if chunk_size == 0 else chunk_size
+    any_grad = token_scale is not None
+    def empty():   # an absent output: a fresh (0,) tensor each (a custom op's outputs may not alias)
+        return hidden.new_empty((0,), dtype=acc)
+    grad_h = torch.empty_like(hidden) if need_h else hidden.new_empty((0,))
+    grad_w = torch.zeros((vocab, width), dtype=acc, device=weight.device) if need_w else empty()
+    grad_b = torch.zeros((vocab,), dtype=acc, device=weight.device) if need_b else empty()
+    log_prob = torch.empty((n_tokens,), dtype=acc, device=hidden.device)
+    entropy = torch.empty((n_tokens,), dtype=acc, device=hidden.device) if want_entropy else empty()
+    one = torch.ones((), dtype=dtype, device=hidden.device)
+
+    for start in range(0, n_tokens, chunk):
+        end = min(start + chunk, n_tokens)
+        sl = slice(start, end)
+        h = hidden[sl]
+        logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+        logits = logits.to(acc)   # bf16/fp16: the product, then its float32 copy (the product is freed here)
+        if temperature != 1.0:
+            logits.div_(temperature)
+        # log-softmax in place, without logsumexp's chunk-sized temporary: z - max, then exp
+        logits.sub_(logits.amax(dim=1, keepdim=True))
+        ids_c = ids[sl]
+        in_range = (ids_c >= 0) & (ids_c < vocab)
+        idx = torch.where(in_range, ids_c, torch.zeros_like(ids_c)).long()
+        chosen = logits.gather(1, idx.unsqueeze(1)).squeeze(1)
+        if want_entropy:
+            probs = torch.exp(logits)   # a second chunk x vocab buffer: the entropy reads both
+            total = probs.sum(dim=1)
+            log_total = torch.log(total)
+            # H = log(sum e) - sum p (z - max), the dot product batched: no third chunk x vocab buffer
+            dot = (probs.unsqueeze(1) @ logits.unsqueeze(2)).reshape(-1)
+            entropy[sl] = log_total - dot / total
+        else:
+            probs = logits.exp_()                           # in place: one chunk x vocab buffer in all
+            total = probs.sum(dim=1)
+            log_total = torch.log(total)
+        del logits
+        lp_c = torch.where(in_range, chosen - log_total, torch.full_like(chosen, math.nan))
+        log_prob[sl] = lp_c
+        if any_grad:
+            g = ops.policy_loss_bwd(one, token_scale[sl], lp_c.to(dtype).unsqueeze(1), olp[sl], adv[sl],
+                                    None if mask is None else mask[sl],
+                                    delta if delta is None or delta.dim() == 0 else delta[sl],
+                                    *settings).squeeze(1)
+            if ref is not None:   # d(beta * w * scale * k3)/d lp = beta * w * scale * (1 - exp(ref - lp))
+                kl_g = kl_scale[sl] * (1.0 - torch.exp(ref[sl] - lp_c.to(dtype)))
+                g = g + torch.where(kl_scale[sl] != 0, kl_g, torch.zeros_like(kl_g))
+            grad_logits = _chunk_grad_logits(probs, total, g.to(acc), idx, temperature)
+            del probs   # the float32 buffer lives on as grad_logits (same storage in float32)
+            grad_logits = grad_logits.to(weight.dtype)   # bf16/fp16: a copy; the float32 buffer is freed here
+            if need_h:
+                grad_h[sl] = grad_logits @ weight
+            if need_w:
+                if grad_w.dtype == grad_logits.dtype:
+                    grad_w.addmm_(grad_logits.t(), h)            # accumulate without a vocab x H temporary
+                else:   # bf16/fp16: the chunk's product in their dtype, summed in float32
+                    grad_w += (grad_logits.t() @ h).to(acc)
+            if need_b:
+                grad_b += grad_logits.sum(dim=0, dtype=acc)
+            del grad_logits
+        else:
+            del probs
+        # Nothing chunk x vocab outlives its iteration: the next chunk's logits are the only such buffer
+        # (before, the previous chunk's buffer was still referenced when the next one was allocated).
+    return log_prob, entropy, grad_h, grad_w, grad_b
+
+
+# The op; its Python body stays callable as _chunked_pass_impl (the memory test watches its allocations).
+chunked_pass = torch.library.custom_op("bandpo_lut::fused_linear_chunks", mutates_args=())(_chunked_pass_impl)
+
+
+@chunked_pass.register_fake
+def _chunked_pass_fake(hidden, weight, bias, ids, olp, adv, mask, delta, token_scale, kl_scale, ref,
+                       delta_scalar, table, grid, divergence, clip, eps_low, eps_high, max_ratio, dual_clip, mode,
+                       temperature, chunk_size, want_entropy, need_h, need_w, need_b):
+    n_tokens, width = hidden.shape
+    vocab = weight.shape[0]
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    def empty():
+        return hidden.new_empty((0,), dtype=acc)
+    return (hidden.new_empty((n_tokens,), dtype=acc),
+            hidden.new_empty((n_tokens,), dtype=acc) if want_entropy else empty(),
+            hidden.new_empty((n_tokens, width)) if need_h else hidden.new_empty((0,)),
+            hidden.new_empty((vocab, width), dtype=acc) if need_w else empty(),
+            hidden.new_empty((vocab,), dtype=acc) if need_b else empty())
+
+
 class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, token_ids, olp, adv, mask, delta_t, ref, settings, options):
         temperature, chunk, beta, agg_id, needs, want_entropy = options
         ops = _cache.compiled_ops().ops   # the raw torch.ops.bandpo_lut: this Function is its own autograd
         batch, steps, width = hidden.shape
-        n_tokens, vocab = batch * steps, weight.shape[0]
-        acc = torch.promote_types(hidden.dtype, torch.float32)   # softmax arithmetic
+        n_tokens = batch * steps
         dtype = olp.dtype                                         # the loss's compute dtype
-        h2 = hidden.reshape(n_tokens, width)
-        ids = token_ids.reshape(n_tokens)
         olp_t, adv_t = _per_token(ops, olp, batch, steps), _per_token(ops, adv, batch, steps)
         mask_t, delta_tok = _per_token(ops, mask, batch, steps), _per_token(ops, delta_t, batch, steps)
 
@@ -189,68 +332,20 @@ class _FusedLinearLoss(torch.autograd.Function):
             # (tokens,) float64. Not row_scale.repeat_interleave(steps): Inductor on CPU computes a chunk of that
             # wrongly when T does not divide the chunk (see bandpo_lut/runtime/_ops.py, per_token).
             token_scale = ops.per_token(row_scale.unsqueeze(1), batch, steps)
-            one = torch.ones((), dtype=dtype, device=hidden.device)
         if ref is not None:
             ref_t = _per_token(ops, ref, batch, steps).reshape(n_tokens)   # dense: a broadcast ref, see _per_token
             w_tok = (torch.ones(n_tokens, dtype=dtype, device=hidden.device) if mask_t is None
                      else mask_t.reshape(n_tokens).to(dtype))
             # beta * w * d loss / d S_b per token: the k3 term's weight in the loss
             kl_scale = torch.where(w_tok != 0, beta * w_tok * token_scale.to(dtype), torch.zeros_like(w_tok))
-        grad_h = torch.empty_like(h2) if needs[0] else None
-        grad_w = torch.zeros((vocab, width), dtype=acc, device=weight.device) if needs[1] else None
-        grad_b = torch.zeros((vocab,), dtype=acc, device=weight.device) if needs[2] else None
-        log_probs, entropies = [], []
-
-        for start in range(0, n_tokens, chunk):
-            end = min(start + chunk, n_tokens)
-            h = h2[start:end]
-            logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
-            logits = logits.to(acc)
-            if temperature != 1.0:
-                logits.div_(temperature)
-            # log-softmax in place, without logsumexp's chunk-sized temporary: z - max, then exp
-            logits.sub_(logits.amax(dim=1, keepdim=True))
-            ids_c = ids[start:end]
-            in_range = (ids_c >= 0) & (ids_c < vocab)
-            idx = torch.where(in_range, ids_c, torch.zeros_like(ids_c))
-            chosen = logits.gather(1, idx.unsqueeze(1)).squeeze(1)
-            if want_entropy:
-                probs = torch.exp(logits)
-                total = probs.sum(dim=1)
-                log_total = torch.log(total)
-                # H = log(sum e) - sum p (z - max), the dot product batched: no third chunk x vocab buffer
-                dot = (probs.unsqueeze(1) @ logits.unsqueeze(2)).reshape(-1)
-                entropies.append(log_total - dot / total)
-            else:
-                probs = logits.exp_()                           # in place: one chunk x vocab buffer in all
-                total = probs.sum(dim=1)
-                log_total = torch.log(total)
-            lp_c = torch.where(in_range, chosen - log_total, torch.full_like(chosen, math.nan))
-            log_probs.append(lp_c)
-            del logits
-            if not any_grad:
-                continue
-            lp_tok = lp_c.to(dtype).unsqueeze(1)
-            sl = slice(start, end)
-            g = ops.policy_loss_bwd(one, token_scale[sl], lp_tok, olp_t[sl], adv_t[sl],
-                                    None if mask_t is None else mask_t[sl],
-                                    delta_tok if delta_tok is None or delta_tok.dim() == 0 else delta_tok[sl],
-                                    *settings).squeeze(1)
-            if ref is not None:   # d(beta * w * scale * k3)/d lp = beta * w * scale * (1 - exp(ref - lp))
-                kl_g = kl_scale[sl] * (1.0 - torch.exp(ref_t[sl] - lp_c.to(dtype)))
-                g = g + torch.where(kl_scale[sl] != 0, kl_g, torch.zeros_like(kl_g))
-            grad_logits = _chunk_grad_logits(probs, total, g.to(acc), idx, temperature).to(weight.dtype)
-            if grad_h is not None:
-                grad_h[sl] = grad_logits @ weight
-            if grad_w is not None:
-                if grad_w.dtype == grad_logits.dtype:
-                    grad_w.addmm_(grad_logits.t(), h)            # accumulate without a vocab x H temporary
-                else:   # bf16/fp16: the chunk's product in their dtype, summed in float32
-                    grad_w += (grad_logits.t() @ h).to(acc)
-            if grad_b is not None:
-                grad_b += grad_logits.sum(dim=0, dtype=acc)
-
-        log_prob = torch.cat(log_probs).to(dtype).reshape(batch, steps)
+        log_prob, entropy, grad_h, grad_w, grad_b = chunked_pass(
+            hidden.reshape(n_tokens, width), weight, bias, token_ids.reshape(n_tokens), olp_t, adv_t, mask_t, delta_tok,
+            token_scale if any_grad else None, kl_scale if ref is not None else None,
+            ref_t if ref is not None else None, *settings, temperature, chunk, want_entropy, *needs)
+        grad_h = grad_h if needs[0] else None
+        grad_w = grad_w if needs[1] else None
+        grad_b = grad_b if needs[2] else None
+        log_prob = log_prob.to(dtype).reshape(batch, steps)
         loss, metric_vec, _ = ops.policy_loss_fwd(log_prob, olp, adv, mask, delta_t, *settings, agg_id)
         kl_mean = loss.new_zeros(())
         if ref is not None:
@@ -258,9 +353,9 @@ class _FusedLinearLoss(torch.autograd.Function):
             k3 = torch.where(w_tok != 0, torch.exp(d) - d - 1.0, torch.zeros_like(d))
             kl_mean = _spec.safe_div((w_tok * k3).sum(), w_tok.sum())
             loss = loss + torch.where(kl_scale != 0, kl_scale * k3, torch.zeros_like(k3)).sum()
-        entropy = (torch.cat(entropies).reshape(batch, steps) if want_entropy
-                   else loss.new_zeros((0,), dtype=acc))
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        entropy = entropy.reshape(batch, steps) if want_entropy else entropy
+        # hidden, weight, bias (no copies): the anchors of a second derivative's refusal (see backward)
+        ctx.save_for_backward(grad_h, grad_w, grad_b, hidden, weight, bias)
         ctx.shapes = (hidden.shape, hidden.dtype, weight.dtype)
         log_prob = log_prob.detach()
         ctx.mark_non_differentiable(metric_vec, kl_mean, entropy, log_prob)
@@ -268,16 +363,61 @@ class _FusedLinearLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        grad_h, grad_w, grad_b = ctx.saved_tensors
+        grad_h, grad_w, grad_b, hidden, weight, bias = ctx.saved_tensors
         shape, h_dtype, w_dtype = ctx.shapes
-        out_h = out_w = out_b = None
-        # In place: no second copy of the weight's gradient. A second backward through the same graph
-        # (retain_graph=True) then fails autograd's saved-tensor version check instead of using scaled grads.
-        if grad_loss is not None:
-            if grad_h is not None:
-                out_h = grad_h.mul_(grad_loss.to(grad_h.dtype)).reshape(shape)
-            if grad_w is not None:
-                out_w = grad_w.mul_(grad_loss.to(grad_w.dtype)).to(w_dtype)
-            if grad_b is not None:
-                out_b = grad_b.mul_(grad_loss.to(grad_b.dtype)).to(w_dtype)
-        return (out_h, out_w, out_b) + (None,) * 8
+        if grad_loss is None:
+            return (None,) * 11
+        # create_graph=True (grad mode on in the backward): the gradients below would carry no second-order
+        # term (they were formed in the forward, outside autograd), so a second derivative must raise, as
+        # policy_loss's does, not be a silent zero. First order under create_graph still works.
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            saved = _Saved((grad_h, grad_w, grad_b, shape, w_dtype))
+            out = _FirstOrderOnly.apply(grad_loss, hidden, weight, bias, saved)
+            return tuple(o if g is not None else None for o, g in zip(out, (grad_h, grad_w, grad_b))) + (None,) * 8
+        return _scale(grad_loss, grad_h, grad_w, grad_b, shape, w_dtype) + (None,) * 8
+
+
+def _scale(grad_loss, grad_h, grad_w, grad_b, shape, w_dtype, in_place=True):
+    """The saved gradients times the incoming one. In place: no second copy of the weight's gradient; a second
+    backward through the same graph (retain_graph=True) then fails autograd's saved-tensor version check
+    instead of using scaled grads. Not in place under create_graph (new tensors for _FirstOrderOnly's outputs)."""
+    def times(g):
+        scale = grad_loss.to(g.dtype)
+        return g.mul_(scale) if in_place else g * scale
+    out_h = out_w = out_b = None
+    if grad_h is not None:
+        out_h = times(grad_h).reshape(shape)
+    if grad_w is not None:
+        out_w = times(grad_w).to(w_dtype)
+    if grad_b is not None:
+        out_b = times(grad_b).to(w_dtype)
+    return out_h, out_w, out_b
+
+
+class _Saved:
+    """Tensors handed to _FirstOrderOnly whole, so that they are not inputs of its node."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """The first-order gradients under create_graph=True, as a node whose own derivative refuses. hidden,
+    weight and bias are inputs only so that the outputs depend on them in autograd's eyes (as policy_loss's
+    gradient depends on log_prob): differentiating the gradients again reaches this backward."""
+
+    @staticmethod
+    def forward(ctx, grad_loss, hidden, weight, bias, saved):
+        out = _scale(grad_loss, *saved.value, in_place=False)
+        # an absent gradient as an empty tensor: autograd.Function outputs are tensors
+        return tuple(hidden.new_empty((0,)) if o is None else o for o in out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"bandpo_lut: {_NAME} has no second derivative (its gradients are formed chunk by chunk in the "
+            "forward, outside autograd). First order works: .backward(), torch.autograd.grad (also with "
+            "create_graph=True, as long as nothing differentiates the result again). For a second derivative "
+            "use the unfused log_softmax + bandpo_lut.policy_loss, whose second derivative also raises; "
+            "bandpo_lut.clip has one.")

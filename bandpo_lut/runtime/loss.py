@@ -18,6 +18,7 @@ import math
 import torch
 
 from bandpo_lut.runtime import loss_spec as _spec
+from bandpo_lut.runtime import settings as _settings
 from bandpo_lut.runtime import table_cache as _cache
 from bandpo_lut.runtime.api import bounds
 from bandpo_lut.tables import checks as _checks
@@ -28,7 +29,8 @@ metrics_from_counts = _spec.metrics_from_counts
 
 
 def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, divergence="kl", max_ratio=None,
-                dual_clip=None, agg="token-mean", clip="band", mode="clip", eps_low=None, eps_high=None):
+                dual_clip=None, agg="token-mean", clip="band", mode="clip", eps_low=None, eps_high=None,
+                settings=None):
     """PPO-family policy loss with BandPO's band (default) or a baseline clip, fused.
 
     Args:
@@ -43,6 +45,8 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
         clip: "band", "fixed" (eps_low/eps_high, default 0.2/0.2; DAPO's clip-higher is 0.2/0.28) or
             "dcpo" (default eps 0.16/0.2). mode: "clip", or "mask" (out-of-band tokens keep their
             surrogate's value but lose the gradient in the unsafe direction).
+        settings: a `bandpo_lut.LossSettings` holding these nine options, validated when built (then leave the
+            keyword options at their defaults).
     Derivatives: to log_prob only, first order in both modes (backward, torch.func.grad/jacrev/vjp, forward
     mode: torch.func.jvp/jacfwd, torch.autograd.forward_ad); a second derivative (double backward,
     torch.func.hessian) raises NotImplementedError.
@@ -54,9 +58,11 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
     One compiled op computes the loss (aggregated), every count and every fraction (a constant number of
     kernel launches, in a fixed-order reduction: bit-identical run to run); the backward is one op too.
     """
-    lp, olp, adv, mask, delta_t, settings = op_inputs(log_prob, old_log_prob, advantages, mask, delta, divergence,
-                                                      max_ratio, dual_clip, agg, clip, mode, eps_low, eps_high)
-    args = (lp, olp, adv, mask, delta_t, *settings, _spec.AGG_ID[agg])
+    settings = _settings.resolve(settings, dict(
+        delta=delta, divergence=divergence, max_ratio=max_ratio, dual_clip=dual_clip, agg=agg, clip=clip, mode=mode,
+        eps_low=eps_low, eps_high=eps_high), "policy_loss")
+    lp, olp, adv, mask, delta_t, op_settings = op_inputs(log_prob, old_log_prob, advantages, mask, settings)
+    args = (lp, olp, adv, mask, delta_t, *op_settings, _spec.AGG_ID[settings.agg])
     ops = _cache.compiled_ops()
     plain_eager_grad = (torch.is_grad_enabled() and lp.requires_grad and not torch.compiler.is_compiling()
                         and not torch.jit.is_tracing() and ops._registered_op_suffices())
@@ -94,32 +100,33 @@ class _EagerLoss(torch.autograd.Function):
         return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
-def op_inputs(log_prob, old_log_prob, advantages, mask, delta, divergence, max_ratio, dual_clip, agg, clip, mode,
-              eps_low, eps_high):
-    """Validate policy_loss's arguments and put them in the form the compiled ops take: (lp, olp, adv, mask,
-    delta_t, settings), where `policy_loss_fwd(lp, olp, adv, mask, delta_t, *settings, agg_id)` is the loss and
-    `policy_loss_bwd(grad, row_scale, lp, olp, adv, mask, delta_t, *settings)` its gradient (also used by
-    `bandpo_lut.runtime.fused_linear`, so that both share one reading of the options)."""
-    eps_low, eps_high = _spec.check_args(log_prob, old_log_prob, advantages, mask, delta, divergence, max_ratio,
-                                         dual_clip, agg, clip, mode, eps_low, eps_high)
+def op_inputs(log_prob, old_log_prob, advantages, mask, settings: _settings.LossSettings):
+    """Check the batch's tensors against validated `settings` and put them in the form the compiled ops take:
+    (lp, olp, adv, mask, delta_t, op_settings), where `policy_loss_fwd(lp, olp, adv, mask, delta_t, *op_settings,
+    agg_id)` is the loss and `policy_loss_bwd(grad, row_scale, lp, olp, adv, mask, delta_t, *op_settings)` its
+    gradient (also used by `bandpo_lut.runtime.fused_linear`, so that both share one reading of the options)."""
+    _spec.check_tensors(log_prob, old_log_prob, advantages, mask, settings)
+    eps_low, eps_high = settings.eps()
+    clip, delta = settings.clip, settings.delta
     dtype = _spec.compute_dtype(log_prob, old_log_prob, advantages)
     # No .detach(): the op's autograd gives old_log_prob, advantages, mask and delta no gradient.
     lp, olp, adv = log_prob.to(dtype), old_log_prob.to(dtype), advantages.to(dtype)
     if mask is not None and mask.dtype not in (torch.bool, dtype):
         mask = mask.to(dtype)            # bool masks pass as bytes; others are weights
     # The baseline clips read no table: a placeholder, and any compiled id (the kernels ignore both).
-    div = _checks.compiled_divergence(divergence if clip == "band" else "kl")
+    div = _checks.compiled_divergence(settings.divergence if clip == "band" else "kl")
     meta, coefficients = _cache.table_for(div.name if clip == "band" else None, lp)
     delta_t, delta_s = None, 0.0
     if clip == "band":
         if isinstance(delta, torch.Tensor):
             delta_t = delta.to(dtype)    # broadcast to (batch, T) inside the op
-        else:
+        else:   # already checked against the table's range by LossSettings; this is the ops' form of it
             delta_t, delta_s = _cache.scalar_delta(delta, meta)
-    settings = (delta_s, coefficients, list(meta.grid), div.compiled_id, _spec.CLIP_ID[clip], float(eps_low or 0.0),
-                float(eps_high or 0.0), math.inf if max_ratio is None else float(max_ratio),
-                0.0 if dual_clip is None else float(dual_clip), _spec.MODE_ID[mode])
-    return lp, olp, adv, mask, delta_t, settings
+    max_ratio, dual_clip = settings.max_ratio, settings.dual_clip
+    op_settings = (delta_s, coefficients, list(meta.grid), div.compiled_id, _spec.CLIP_ID[clip],
+                   float(eps_low or 0.0), float(eps_high or 0.0), math.inf if max_ratio is None else float(max_ratio),
+                   0.0 if dual_clip is None else float(dual_clip), _spec.MODE_ID[settings.mode])
+    return lp, olp, adv, mask, delta_t, op_settings
 
 
 def ratio_bounds(p_old: torch.Tensor, *, clip="band", delta=0.05, divergence="kl", max_ratio=None, eps_low=None,
@@ -144,28 +151,30 @@ class BandPolicyLoss(torch.nn.Module):
     and update it in place (`module.delta.fill_(value)`)."""
 
     def __init__(self, *, delta=0.05, divergence="kl", max_ratio=None, dual_clip=None, agg="token-mean",
-                 clip="band", mode="clip", eps_low=None, eps_high=None):
+                 clip="band", mode="clip", eps_low=None, eps_high=None, settings=None):
         super().__init__()
-        self.settings = dict(delta=delta, divergence=divergence, max_ratio=max_ratio, dual_clip=dual_clip, agg=agg,
-                             clip=clip, mode=mode, eps_low=eps_low, eps_high=eps_high)
-        # Validate now, on a tiny input, so that a bad setting fails at construction, not mid-training.
-        if isinstance(delta, torch.Tensor):   # any (batch, T) that a per-token δ broadcasts to
-            z = torch.zeros(torch.broadcast_shapes(delta.shape, (1, 1))[-2:], device=delta.device)
-        else:
-            z = torch.zeros(1, 1)
-        _spec.check_args(z, z, z, None, delta, divergence, max_ratio, dual_clip, agg, clip, mode, eps_low, eps_high)
-        if clip == "band":   # the divergence must be compiled, a number δ within its table's range
-            div = _checks.compiled_divergence(divergence)
-            if not isinstance(delta, torch.Tensor):
-                _cache.check_delta(float(delta), _cache.table_for(div.name, z)[0])
-        if isinstance(delta, torch.Tensor):
+        # Validated once, here (a bad setting fails at construction, not mid-training), with no tensor made.
+        built = _settings.resolve(settings, dict(
+            delta=delta, divergence=divergence, max_ratio=max_ratio, dual_clip=dual_clip, agg=agg, clip=clip,
+            mode=mode, eps_low=eps_low, eps_high=eps_high), "BandPolicyLoss")
+        self.settings = built.options()
+        if isinstance(built.delta, torch.Tensor):
             # Module state, by torch's convention: a buffer, in state_dict and moved by .to()/.cuda().
             del self.settings["delta"]
-            self.register_buffer("delta", delta)
+            self.register_buffer("delta", built.delta)
+        self._built = built
+
+    def loss_settings(self) -> _settings.LossSettings:
+        """The settings of the next call: the object built at construction, rebuilt (and validated) only when
+        `module.settings` was changed (a δ schedule), with the buffer δ when δ is a tensor."""
+        options = self.settings if "delta" in self.settings else dict(self.settings, delta=self.delta)
+        built = self._built
+        if all(options[k] is getattr(built, k) for k in _settings.FIELDS):
+            return built
+        return _settings.LossSettings(**options)
 
     def forward(self, log_prob, old_log_prob, advantages, mask=None):
-        settings = self.settings if "delta" in self.settings else dict(self.settings, delta=self.delta)
-        return policy_loss(log_prob, old_log_prob, advantages, mask, **settings)
+        return policy_loss(log_prob, old_log_prob, advantages, mask, settings=self.loss_settings())
 
     def extra_repr(self) -> str:
         shown = [f"{k}={v!r}" for k, v in self.settings.items() if v is not None]

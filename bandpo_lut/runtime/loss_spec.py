@@ -12,14 +12,11 @@ import math
 
 import torch
 
+from bandpo_lut.runtime.settings import AGGS, CLIPS, DEFAULT_EPS, MODES, LossSettings  # noqa: F401 (re-exported: the option names)
 from bandpo_lut.tables.checks import check_max_ratio as _check_max_ratio
 from bandpo_lut.tables.checks import check_tensor as check_floating_tensor
 from bandpo_lut.tables.checks import is_host_scalar as _is_host_scalar
 from bandpo_lut.tables.checks import is_number as _is_number
-
-AGGS = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum")
-CLIPS = ("band", "fixed", "dcpo")
-MODES = ("clip", "mask")
 
 # The compiled ids of the string options: their position in the tuples above (C++: AggKind, ClipKind, LossMode).
 AGG_ID = {name: i for i, name in enumerate(AGGS)}
@@ -54,8 +51,6 @@ FRACTIONS = {
 # count / count in the compute dtype, 0 where the denominator is 0). Its length sizes the fake kernel.
 METRICS = COUNTS + tuple(FRACTIONS)
 FRACTION_INDICES = tuple((COUNTS.index(num), COUNTS.index(den)) for num, den in FRACTIONS.values())
-
-DEFAULT_EPS = {"fixed": (0.2, 0.2), "dcpo": (0.16, 0.2)}
 
 
 def baseline_bounds(p_old: torch.Tensor, clip: str, eps_low: float, eps_high: float):
@@ -153,8 +148,17 @@ def baseline_eps(clip: str, eps_low, eps_high) -> tuple[float, float]:
 
 def check_args(log_prob, old_log_prob, advantages, mask, delta, divergence, max_ratio,
                dual_clip, agg, clip, mode, eps_low, eps_high):
-    """Validate `policy_loss`'s arguments (both implementations); returns (eps_low, eps_high) with the
-    clip's defaults filled in (None, None for clip="band"). Python checks only: no host synchronisation."""
+    """Validate `policy_loss`'s arguments (both implementations) through the one validation path, LossSettings;
+    returns (eps_low, eps_high) with the clip's defaults filled in (None, None for clip="band")."""
+    settings = LossSettings(delta=delta, divergence=divergence, max_ratio=max_ratio, dual_clip=dual_clip, agg=agg,
+                            clip=clip, mode=mode, eps_low=eps_low, eps_high=eps_high)
+    check_tensors(log_prob, old_log_prob, advantages, mask, settings)
+    return settings.eps()
+
+
+def check_tensors(log_prob, old_log_prob, advantages, mask, settings: LossSettings) -> None:
+    """The per-call checks (the batch's tensors, and a per-token δ's shape and device against them); the
+    options were validated when `settings` was built. Python checks only: no host synchronisation."""
     _check_tensor("log_prob", log_prob, None)
     _check_tensor("old_log_prob", old_log_prob, log_prob)
     _check_tensor("advantages", advantages, log_prob)
@@ -163,24 +167,8 @@ def check_args(log_prob, old_log_prob, advantages, mask, delta, divergence, max_
         if mask.dtype.is_complex:
             raise TypeError(f"policy_loss: mask must be bool, integer or floating (0/1 values), "
                             f"got {mask.dtype}")
-    for name, value, choices in (("agg", agg, AGGS), ("clip", clip, CLIPS), ("mode", mode, MODES)):
-        if value not in choices:
-            raise ValueError(f"policy_loss: unknown {name}={value!r}; choose one of {choices}")
-    if dual_clip is not None and not (_is_number(dual_clip) and dual_clip > 1):
-        raise ValueError(f"policy_loss: dual_clip must be None or a number > 1, got {dual_clip!r}")
-    check_max_ratio(max_ratio)
-    if clip == "band":
-        if eps_low is not None or eps_high is not None:
-            raise ValueError("policy_loss: eps_low/eps_high apply to clip='fixed' or 'dcpo' only; "
-                             "clip='band' takes delta and divergence")
-        if not isinstance(divergence, str):
-            raise TypeError(f"policy_loss: divergence must be a string, got {divergence!r}")
-        if isinstance(delta, torch.Tensor):
-            _check_delta_tensor(delta, log_prob)
-        elif not (_is_number(delta) and 0 < delta < math.inf):
-            raise ValueError(f"policy_loss: delta must be a positive number or a tensor, got {delta!r}")
-        return None, None
-    return baseline_eps(clip, eps_low, eps_high)
+    if settings.clip == "band" and isinstance(settings.delta, torch.Tensor):
+        _check_delta_tensor(settings.delta, log_prob)
 
 
 def compute_dtype(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor) -> torch.dtype:

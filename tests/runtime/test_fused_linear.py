@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 
 import pytest
 import torch
@@ -289,3 +290,162 @@ print("OK")
 """
     out = run_fresh(["-c", code], cwd=tmp_path, check=True)
     assert "OK" in out.stdout
+
+
+# ---- compile with varying lengths, second order, empty batches, token-id dtypes, func transforms, peak memory
+
+@pytest.mark.subprocess
+def test_compiled_dynamic_one_graph_for_every_token_count(tmp_path):
+    """torch.compile(fullgraph=True, dynamic=True) over 12 distinct token counts: one graph (a recompile raises
+    through error_on_recompile; Dynamo's unique-graph counter says 1), each length's loss and gradients equal
+    to the unfused log_softmax + policy_loss in eager mode. Before, the Python chunk loop specialised the graph
+    on the token count: the second length recompiled (the 9th raised FailOnRecompileLimitHit)."""
+    code = """
+import torch, bandpo_lut, torch._dynamo
+from torch._dynamo.utils import counters
+B, H, V = 2, 8, 40
+W = torch.randn(V, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
+def fused(h, W, ids, old, adv, mask):
+    loss, m, ent = bandpo_lut.fused_linear_policy_loss(h, W, ids, old, adv, mask, chunk_size=4, dual_clip=3.0,
+                                                       return_entropy=True)
+    return loss, m["clip_frac"], ent
+def unfused(h, W, ids, old, adv, mask):
+    logq = torch.log_softmax(h @ W.t(), dim=-1)
+    lp = logq.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    loss, m = bandpo_lut.policy_loss(lp, old, adv, mask, dual_clip=3.0)
+    return loss, m["clip_frac"], -(logq.exp() * logq).sum(-1)
+comp = torch.compile(fused, fullgraph=True, dynamic=True, backend="aot_eager")
+for i, T in enumerate(range(3, 15)):
+    torch._dynamo.config.error_on_recompile = i > 0
+    g = torch.Generator().manual_seed(T)
+    h = torch.randn(B, T, H, generator=g, requires_grad=True)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    old, adv = -torch.rand(B, T, generator=g) * 3, torch.randn(B, T, generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.2
+    l1, c1, e1 = comp(h, W, ids, old, adv, mask); g1 = torch.autograd.grad(l1, (h, W))
+    l0, c0, e0 = unfused(h, W, ids, old, adv, mask); g0 = torch.autograd.grad(l0, (h, W))
+    assert torch.allclose(l1, l0, rtol=1e-5, atol=1e-7), (T, l1, l0)
+    assert torch.equal(c1, c0) and torch.allclose(e1, e0, rtol=1e-5, atol=1e-6), T
+    for a, b in zip(g1, g0):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5, T
+assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+print("OK")
+"""
+    out = run_fresh(["-c", code], cwd=tmp_path, check=True)
+    assert "OK" in out.stdout
+
+
+def test_double_backward_refused():
+    """As policy_loss: first order under create_graph=True works, a second derivative raises (before: the
+    gradient came back with no graph, a silent zero second-order term)."""
+    hidden, weight, bias, ids, old, adv, mask, _ = batch(7)
+    loss0, _, _ = unfused(hidden, weight, ids, old, adv, mask, bias=bias)
+    g0 = torch.autograd.grad(loss0, (hidden, weight, bias))
+    loss, _ = bandpo_lut.fused_linear_policy_loss(hidden, weight, ids, old, adv, mask, bias=bias, chunk_size=4)
+    g1 = torch.autograd.grad(loss, (hidden, weight, bias), create_graph=True)
+    for a, b in zip(g1, g0):
+        assert rel_err(a, b) <= 1e-5
+    for target in (hidden, weight):
+        with pytest.raises(NotImplementedError, match="fused_linear_policy_loss has no second derivative"):
+            torch.autograd.grad((g1[0] ** 2).sum() + (g1[1] ** 2).sum(), target)
+    # policy_loss refuses the same way (the behaviour matched)
+    lp = torch.randn(2, 3).clamp(max=-0.1).requires_grad_()
+    (glp,) = torch.autograd.grad(bandpo_lut.policy_loss(lp, lp.detach() - 0.1, torch.randn(2, 3))[0], lp,
+                                 create_graph=True)
+    with pytest.raises(NotImplementedError, match="no second derivative"):
+        torch.autograd.grad(glp.sum(), lp)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0)])
+def test_empty_batch_as_policy_loss(shape):
+    """B = 0 or T = 0: policy_loss's answer (loss 0, counts 0, zero gradients of the right shapes), not
+    torch.cat's error."""
+    hidden = torch.randn(*shape, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=True)
+    ids = torch.zeros(shape, dtype=torch.long)
+    lp = torch.zeros(shape, requires_grad=True)
+    ref_loss, ref_m = bandpo_lut.policy_loss(lp, torch.zeros(shape), torch.zeros(shape))
+    loss, m, ent = bandpo_lut.fused_linear_policy_loss(hidden, weight, ids, torch.zeros(shape), torch.zeros(shape),
+                                                       return_entropy=True)
+    loss.backward()
+    assert loss.item() == ref_loss.item() == 0.0 and ent.shape == shape
+    assert all(m[k].item() == v.item() for k, v in ref_m.items())
+    assert hidden.grad.shape == hidden.shape and torch.count_nonzero(weight.grad) == 0
+
+
+def test_token_id_dtypes():
+    hidden, weight, bias, ids, old, adv, mask, _ = batch(8)
+    f = bandpo_lut.fused_linear_policy_loss
+    for bad in (torch.int16, torch.uint8, torch.int8, torch.bool):
+        with pytest.raises(TypeError, match=r"token_ids must be an integer tensor of dtype int64 or int32, got "
+                                            + str(bad).replace(".", r"\.")):
+            f(hidden, weight, ids.to(bad), old, adv, mask)
+    loss0, _, _ = unfused(hidden, weight, ids, old, adv, mask)
+    loss32, _ = f(hidden, weight, ids.to(torch.int32), old, adv, mask, chunk_size=4)
+    assert abs(loss32.item() - loss0.item()) <= 1e-5 * abs(loss0.item())
+
+
+def test_func_transforms_and_forward_mode_refused():
+    """torch.func transforms and forward-mode AD: a NotImplementedError naming the fused loss (before: torch's
+    error about setup_context)."""
+    import torch.autograd.forward_ad as fwad
+    hidden, weight, bias, ids, old, adv, mask, _ = batch(9)
+    h = hidden.detach()
+
+    def f(x):
+        return bandpo_lut.fused_linear_policy_loss(x, weight, ids, old, adv, mask)[0]
+    for run in (lambda: torch.func.grad(f)(h), lambda: torch.func.vjp(f, h),
+                lambda: torch.func.jvp(f, (h,), (torch.ones_like(h),)), lambda: torch.func.vmap(f)(h[None])):
+        with pytest.raises(NotImplementedError, match="fused_linear_policy_loss does not run under torch.func"):
+            run()
+    with fwad.dual_level():
+        with pytest.raises(NotImplementedError, match="fused_linear_policy_loss has no forward-mode"):
+            f(fwad.make_dual(h, torch.ones_like(h)))
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The high-water mark of the bytes held by tensors that ops create (a storage counted once, released when
+    the tensor that first held it is collected). The chunk op is run through its Python body so that the
+    mode sees each allocation inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.held = 0, 0, {}
+
+    def _release(self, key):
+        self.live -= self.held.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from bandpo_lut.runtime import fused_linear
+        if str(func) == "bandpo_lut.fused_linear_chunks.default":
+            with self:
+                return fused_linear._chunked_pass_impl(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                key = t.untyped_storage().data_ptr()
+                if key and key not in self.held:
+                    self.held[key] = t.untyped_storage().nbytes()
+                    self.live += self.held[key]
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._release, key)
+        return out
+
+
+@pytest.mark.parametrize("entropy,buffers", [(False, 1), (True, 2)])
+def test_peak_memory_chunk_buffers(entropy, buffers):
+    """Peak live bytes of the forward, gradients and O(tokens) vectors aside: one chunk x vocab float32 buffer
+    (two with return_entropy), as docs/fused_linear.md says. Before: the previous chunk's buffer was still
+    referenced when the next chunk's logits were allocated (two, three with entropy)."""
+    vocab, width, steps, chunk = 4000, 4, 256, 64
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, steps, width, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, width, generator=g, requires_grad=True)
+    ids = torch.randint(0, vocab, (2, steps), generator=g)
+    old, adv = -torch.rand(2, steps, generator=g), torch.randn(2, steps, generator=g)
+    with _LiveBytes() as mode:
+        bandpo_lut.fused_linear_policy_loss(hidden, weight, ids, old, adv, chunk_size=chunk, return_entropy=entropy)
+    buffer = chunk * vocab * 4
+    grads = (hidden.numel() + weight.numel()) * 4
+    extra = mode.peak - grads
+    assert buffers * buffer <= extra < (buffers + 0.5) * buffer, extra / buffer

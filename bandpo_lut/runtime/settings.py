@@ -1,0 +1,172 @@
+"""`LossSettings`: the loss options of `policy_loss`, `BandPolicyLoss` and `fused_linear_policy_loss` as one
+frozen object, validated once, when it is built, without any tensor of the batch.
+
+    settings = LossSettings(delta=0.05, divergence="kl", max_ratio=10.0, dual_clip=10.0)
+    loss, metrics = bandpo_lut.policy_loss(log_prob, old_log_prob, advantages, mask, settings=settings)
+
+This is the one validation path of the options (the entry points build the object from their keyword arguments
+and carry it inward). A number δ is checked against the shipped table's range (its header only, no compiled
+extension needed); a per-token δ tensor is the one tensor-valued option: its dtype is checked here, its shape
+and device against the batch at call time (`loss_spec.check_tensors`).
+
+`field_names` maps option names to the names the user wrote (a trainer integration's config fields, e.g.
+``{"delta": "band_delta"}``): with it, every message names the user's field (``band_delta=2.0 is outside ...``);
+without it, the library's names (``policy_loss: ...``, ``delta: ...``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping
+
+import torch
+
+from bandpo_lut.tables import checks as _checks
+from bandpo_lut.tables import divergences as _div
+
+AGGS = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum")
+CLIPS = ("band", "fixed", "dcpo")
+MODES = ("clip", "mask")
+DEFAULT_EPS = {"fixed": (0.2, 0.2), "dcpo": (0.16, 0.2)}
+
+FIELDS = ("delta", "divergence", "max_ratio", "dual_clip", "agg", "clip", "mode", "eps_low", "eps_high")
+
+
+def _constant_result(fn):
+    fn._dynamo_marked_constant = True   # torch.compiler.assume_constant_result, without importing torch._dynamo
+    return fn
+
+
+@_constant_result
+def delta_range(divergence: str) -> tuple[float, float, bool, str]:
+    """(min, max, max_inclusive, source) of δ in the shipped table of `divergence`, from its header (file I/O:
+    Dynamo calls this for real and takes the result as a constant)."""
+    from bandpo_lut import tables
+    table = tables.get(divergence)
+    return table.delta_min, table.delta_max, table.delta_max_inclusive, table.source
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """The loss options (see `bandpo_lut.policy_loss` for their meaning), validated when built.
+
+    delta: a number in the table's range, or a floating tensor broadcastable to (batch, T) (a per-token δ).
+    eps_low/eps_high: None takes the clip's default (`eps()` gives the values the kernels use).
+    field_names: the user's name for each option in error messages (integrations); not part of equality."""
+    delta: object = 0.05
+    divergence: str = "kl"
+    max_ratio: float | None = None
+    dual_clip: float | None = None
+    agg: str = "token-mean"
+    clip: str = "band"
+    mode: str = "clip"
+    eps_low: float | None = None
+    eps_high: float | None = None
+    field_names: Mapping[str, str] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        _validate(self)
+
+    def options(self) -> dict:
+        """The nine options as keyword arguments of policy_loss."""
+        return {name: getattr(self, name) for name in FIELDS}
+
+    def eps(self) -> tuple[float | None, float | None]:
+        """(eps_low, eps_high) with the baseline clip's defaults filled in; (None, None) for clip="band"."""
+        if self.clip == "band":
+            return None, None
+        low, high = DEFAULT_EPS[self.clip]
+        return (float(low if self.eps_low is None else self.eps_low),
+                float(high if self.eps_high is None else self.eps_high))
+
+
+def _validate(s: LossSettings) -> None:
+    names = s.field_names
+    user = names is not None
+
+    def name(field: str) -> str:
+        return names.get(field, field) if user else f"policy_loss: {field}"
+
+    for field, choices in (("agg", AGGS), ("clip", CLIPS), ("mode", MODES)):
+        value = getattr(s, field)
+        if value not in choices:
+            raise ValueError(f"{names.get(field, field)}={value!r} is not one of {choices}" if user
+                             else f"policy_loss: unknown {field}={value!r}; choose one of {choices}")
+    if s.dual_clip is not None and not (_checks.is_number(s.dual_clip) and s.dual_clip > 1):
+        raise ValueError(f"{name('dual_clip')} must be None or a number > 1, got {s.dual_clip!r}")
+    if not _checks.max_ratio_ok(s.max_ratio):
+        raise ValueError(f"{names.get('max_ratio', 'max_ratio')} must be a number >= 1 (the cap of the upper "
+                         f"ratio bound) or None for no cap, got {s.max_ratio!r}" if user
+                         else f"policy_loss: max_ratio must be None or a number >= 1, got {s.max_ratio!r}")
+    if s.clip != "band":
+        _check_eps(s, name)
+        return
+    if s.eps_low is not None or s.eps_high is not None:
+        raise ValueError(f"{name('eps_low')}/{names.get('eps_high', 'eps_high') if user else 'eps_high'} apply "
+                         "to clip='fixed' or 'dcpo' only; clip='band' takes delta and divergence")
+    _check_divergence(s.divergence, names)
+    if isinstance(s.delta, torch.Tensor):
+        try:   # the dtype rule of bounds/clip; shape and device are checked against the batch at call time
+            _checks.check_tensor("delta", s.delta)
+        except TypeError as err:
+            raise TypeError(f"{names.get('delta', 'delta') + ': ' if user else 'policy_loss: '}{err}") from None
+        return
+    if not (_checks.is_number(s.delta) and 0 < s.delta < math.inf):
+        raise ValueError(f"{names.get('delta', 'delta')} must be a positive number (the trust-region radius δ), "
+                         f"got {s.delta!r}" if user
+                         else f"policy_loss: delta must be a positive number or a tensor, got {s.delta!r}")
+    lo, hi, hi_inclusive, source = delta_range(s.divergence)
+    if not _checks.in_delta_range(s.delta, lo, hi, hi_inclusive):
+        interval = _checks.delta_interval(lo, hi, hi_inclusive)
+        if user:
+            raise ValueError(f"{names.get('delta', 'delta')}={s.delta!r} is outside the range of the shipped "
+                             f"{s.divergence!r} table, {interval}")
+        _checks.check_delta(s.delta, s.divergence, lo, hi, hi_inclusive, source)
+
+
+def _check_divergence(divergence, names) -> None:
+    if names is None:
+        if not isinstance(divergence, str):
+            raise TypeError(f"policy_loss: divergence must be a string, got {divergence!r}")
+        _checks.compiled_divergence(divergence)   # "unknown divergence" / "has no compiled kernel"
+        return
+    field = names.get("divergence", "divergence")
+    compiled = _div.compiled_names()
+    if not isinstance(divergence, str) or divergence not in _div.names():
+        raise ValueError(f"{field}={divergence!r} is not a divergence; choose one of {compiled}")
+    if divergence not in compiled:
+        raise ValueError(f"{field}={divergence!r} has no compiled kernel in this build (only the pure-PyTorch "
+                         f"reference reads it); a training loss can use {compiled}")
+
+
+def _check_eps(s: LossSettings, name) -> None:
+    # fixed: a lower bound 1 - eps_low in [0, 1]; dcpo: eps must be > 0 (eps/p at p = 0 is 0/0).
+    default_low, default_high = DEFAULT_EPS[s.clip]
+    eps_low = default_low if s.eps_low is None else s.eps_low
+    eps_high = default_high if s.eps_high is None else s.eps_high
+    fixed = s.clip == "fixed"
+    if not (_checks.is_number(eps_low) and ((0 <= eps_low <= 1) if fixed else (0 < eps_low < math.inf))):
+        raise ValueError(f"{name('eps_low')} must be a number in {'[0, 1]' if fixed else '> 0'} for "
+                         f"clip={s.clip!r}, got {eps_low!r}")
+    if not (_checks.is_number(eps_high) and ((0 <= eps_high < math.inf) if fixed else (0 < eps_high < math.inf))):
+        raise ValueError(f"{name('eps_high')} must be a finite number {'>= 0' if fixed else '> 0'} for "
+                         f"clip={s.clip!r}, got {eps_high!r}")
+
+
+def resolve(settings: LossSettings | None, options: dict, where: str) -> LossSettings:
+    """The settings an entry point uses: `settings` as given (then every keyword option must be left at its
+    default), or a LossSettings built from the keyword options."""
+    if settings is None:
+        return LossSettings(**options)
+    if not isinstance(settings, LossSettings):
+        raise TypeError(f"{where}: settings must be a bandpo_lut.LossSettings, got {type(settings).__name__}")
+    given = [k for k, v in options.items()
+             if not (v is _DEFAULTS[k] or (not isinstance(v, torch.Tensor) and v == _DEFAULTS[k]))]
+    if given:
+        raise ValueError(f"{where}: give the options either as settings=LossSettings(...) or as keyword "
+                         f"arguments, not both (also given: {', '.join(given)})")
+    return settings
+
+
+# The keyword defaults, read once here (Dynamo cannot trace dataclasses.fields inside a compiled frame).
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossSettings)}

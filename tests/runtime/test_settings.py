@@ -1,0 +1,130 @@
+"""LossSettings: the one validation path of the loss options. Validation names the field (the library's names,
+or the user's through field_names); a settings object gives the bits of the same keyword arguments, checked
+against the pure-PyTorch reference (bandpo_lut/reference/policy_loss.py), not against the fused code itself."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import bandpo_lut
+from bandpo_lut import LossSettings
+from bandpo_lut.integrations._common import check_band
+from bandpo_lut.reference.policy_loss import policy_loss as ref_policy_loss
+
+BAD = [
+    (dict(agg="mean"), ValueError, "policy_loss: unknown agg='mean'", "a_agg='mean' is not one of"),
+    (dict(clip="ppo"), ValueError, "policy_loss: unknown clip='ppo'", "a_clip='ppo' is not one of"),
+    (dict(mode="drop"), ValueError, "policy_loss: unknown mode='drop'", "a_mode='drop' is not one of"),
+    (dict(dual_clip=0.5), ValueError, "policy_loss: dual_clip must be None or a number > 1",
+     "a_dual_clip must be None or a number > 1"),
+    (dict(max_ratio=0.5), ValueError, "policy_loss: max_ratio must be None or a number >= 1",
+     "a_max_ratio must be a number >= 1"),
+    (dict(delta=-1.0), ValueError, "policy_loss: delta must be a positive number",
+     "a_delta must be a positive number"),
+    (dict(delta=3.0), ValueError, r"delta: 3.0 is outside the 'kl' table's range",
+     r"a_delta=3.0 is outside the range of the shipped 'kl' table"),
+    (dict(delta=float("nan")), ValueError, "policy_loss: delta must be a positive number",
+     "a_delta must be a positive number"),
+    (dict(delta=torch.ones(2, 3, dtype=torch.int64)), TypeError, "policy_loss: delta: expected a floating tensor",
+     "a_delta: delta: expected a floating tensor"),
+    (dict(divergence="js"), ValueError, "unknown divergence 'js'", "a_divergence='js' is not a divergence"),
+    (dict(divergence="reverse_kl"), ValueError, "divergence: 'reverse_kl' has no compiled kernel",
+     "a_divergence='reverse_kl' has no compiled kernel"),
+    (dict(eps_low=0.1), ValueError, "eps_low/eps_high apply to clip='fixed'", "a_eps_low/a_eps_high apply"),
+    (dict(clip="fixed", eps_low=1.5), ValueError, r"policy_loss: eps_low must be a number in \[0, 1\]",
+     r"a_eps_low must be a number in \[0, 1\]"),
+    (dict(clip="dcpo", eps_high=0.0), ValueError, "policy_loss: eps_high must be a finite number > 0",
+     "a_eps_high must be a finite number > 0"),
+]
+USER = {f: f"a_{f}" for f in ("delta", "divergence", "max_ratio", "dual_clip", "agg", "clip", "mode", "eps_low",
+                              "eps_high")}
+
+
+@pytest.mark.parametrize("kw,exc,library,user", BAD)
+def test_validation_names_the_field(kw, exc, library, user):
+    """When built, with no tensor of a batch: the library's names by default, the user's with field_names;
+    policy_loss and BandPolicyLoss refuse with the library's message."""
+    with pytest.raises(exc, match=library):
+        LossSettings(**kw)
+    with pytest.raises(exc, match=user):
+        LossSettings(**kw, field_names=USER)
+    with pytest.raises(exc, match=library):
+        bandpo_lut.BandPolicyLoss(**kw)
+    lp = torch.full((2, 3), -1.0)
+    with pytest.raises(exc, match=library):
+        bandpo_lut.policy_loss(lp, lp, lp, **kw)
+
+
+def test_frozen_and_defaults():
+    s = LossSettings()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.delta = 0.1
+    assert (s.delta, s.divergence, s.max_ratio, s.dual_clip, s.agg, s.clip) == (0.05, "kl", None, None,
+                                                                                 "token-mean", "band")
+    assert LossSettings(clip="fixed").eps() == (0.2, 0.2) and LossSettings(clip="dcpo").eps() == (0.16, 0.2)
+    assert LossSettings(delta=0.1, field_names=USER) == LossSettings(delta=0.1)
+
+
+def test_settings_and_keywords_not_both():
+    lp = torch.full((2, 3), -1.0)
+    with pytest.raises(ValueError, match="not both.*delta"):
+        bandpo_lut.policy_loss(lp, lp, lp, delta=0.1, settings=LossSettings())
+    with pytest.raises(TypeError, match="settings must be a bandpo_lut.LossSettings"):
+        bandpo_lut.policy_loss(lp, lp, lp, settings={"delta": 0.1})
+
+
+CASES = [dict(), dict(delta=0.2, divergence="tv", max_ratio=10.0, dual_clip=3.0, agg="seq-mean-token-mean"),
+         dict(clip="fixed", eps_low=0.2, eps_high=0.28, agg="token-sum"), dict(clip="dcpo", mode="mask"),
+         dict(delta=torch.tensor([[0.05], [0.1], [0.2]]), divergence="chi2", agg="seq-mean-token-sum")]
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(kw) or "default")
+def test_settings_give_the_keywords_bits_and_the_reference(kw):
+    """policy_loss and BandPolicyLoss with settings=LossSettings(**kw): the same bits as the keywords, and the
+    reference's loss and gradient (float64, to 1e-12); fused_linear_policy_loss with settings: the same bits as
+    with the keywords."""
+    g = torch.Generator().manual_seed(3)
+    lp = (-torch.rand(3, 16, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    olp = (lp.detach() + 0.4 * torch.randn(3, 16, generator=g, dtype=torch.float64)).clamp(max=0)
+    adv = torch.randn(3, 16, generator=g, dtype=torch.float64)
+    mask = torch.rand(3, 16, generator=g) > 0.2
+    settings = LossSettings(**kw)
+    loss_s, m_s = bandpo_lut.policy_loss(lp, olp, adv, mask, settings=settings)
+    (g_s,) = torch.autograd.grad(loss_s, lp)
+    loss_k, m_k = bandpo_lut.policy_loss(lp, olp, adv, mask, **kw)
+    (g_k,) = torch.autograd.grad(loss_k, lp)
+    loss_m, _ = bandpo_lut.BandPolicyLoss(settings=settings)(lp, olp, adv, mask)
+    (g_m,) = torch.autograd.grad(loss_m, lp)
+    assert torch.equal(loss_s, loss_k) and torch.equal(g_s, g_k) and torch.equal(loss_m, loss_k)
+    assert torch.equal(g_m, g_k) and all(torch.equal(m_s[k], m_k[k]) for k in m_k)
+    ref_loss, _ = ref_policy_loss(lp, olp, adv, mask, **kw)
+    (g_ref,) = torch.autograd.grad(ref_loss, lp)
+    torch.testing.assert_close(loss_s, ref_loss, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(g_s, g_ref, rtol=1e-9, atol=1e-12)
+
+    hidden = torch.randn(3, 16, 8, generator=g, requires_grad=True)
+    weight = torch.randn(20, 8, generator=g, requires_grad=True)
+    ids = torch.randint(0, 20, (3, 16), generator=g)
+    out_s = bandpo_lut.fused_linear_policy_loss(hidden, weight, ids, olp, adv, mask, chunk_size=7, settings=settings)
+    out_k = bandpo_lut.fused_linear_policy_loss(hidden, weight, ids, olp, adv, mask, chunk_size=7, **kw)
+    assert torch.equal(out_s[0], out_k[0])
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out_s[0], (hidden, weight)),
+                                                 torch.autograd.grad(out_k[0], (hidden, weight))))
+
+
+def test_per_token_delta_shape_checked_at_call_time():
+    s = LossSettings(delta=torch.full((5, 1), 0.05))   # a valid tensor δ: its shape is the batch's business
+    lp = torch.full((4, 6), -1.0)
+    with pytest.raises(ValueError, match=r"delta has shape \(5, 1\), which does not broadcast"):
+        bandpo_lut.policy_loss(lp, lp, lp, settings=s)
+
+
+def test_check_band_builds_the_settings_with_the_users_fields():
+    field = {"divergence": "band_divergence", "delta": "band_delta", "max_ratio": "band_max_ratio"}
+    check_band("kl", 0.05, 10.0, field=field)
+    with pytest.raises(ValueError, match=r"band_delta=2.0 is outside the range of the shipped 'kl' table.*paper"):
+        check_band("kl", 2.0, 10.0, field=field)
+    with pytest.raises(ValueError, match="band_max_ratio must be a number >= 1"):
+        check_band("kl", 0.05, 0.5, field=field)
