@@ -157,3 +157,17 @@ def test_readme_trap_names_the_shadowing_source_tree_despite_an_egg_info(tmp_pat
     # the copy it names is a working install: from outside the checkout the same call runs
     ok = run_fresh(["-c", code], cwd=tmp_path, env=env, timeout=300)
     assert ok.returncode == 0 and str(site / "bandpo_lut") in ok.stdout, ok.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_readme_quick_start_runs_without_warnings_in_a_fresh_process(tmp_path):
+    """The README's policy_loss quick start, as a user pastes it into a fresh Python, with every warning an
+    error (`float(loss)` on a tensor that requires grad warns under torch 2.14; `loss.item()` does not)."""
+    text = (REPO / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "bandpo_lut.policy_loss(" in b]
+    assert len(blocks) == 1
+    assert "float(loss)" not in blocks[0], "float() of a tensor that requires grad warns under torch 2.14"
+    out = run_fresh(["-W", "error", "-c", blocks[0]], cwd=tmp_path, timeout=300)
+    assert out.returncode == 0 and not out.stderr.strip(), out.stderr[-3000:]
+    assert len(out.stdout.split()) == 3, out.stdout
