@@ -471,7 +471,10 @@ def main() -> None:
         # The compiled extension only works with the torch minor release it was built against.
         install_requires=[f"torch=={torch_mm}.*", "mpmath>=1.3", "numpy", "tqdm", "matplotlib"],
         extras_require={"plot": ["matplotlib"], "test": ["pytest", "matplotlib"]},
-        entry_points={"console_scripts": ["bandpo-lut = bandpo_lut.cli:main"]},
+        # verl.plugins: verl (>= 0.9) imports it at `import verl`, so that verl's driver refuses
+        # loss_mode=bandpo without the _target_ line (bandpo_lut/integrations/verl_plugin.py)
+        entry_points={"console_scripts": ["bandpo-lut = bandpo_lut.cli:main"],
+                      "verl.plugins": ["bandpo_lut = bandpo_lut.integrations.verl_plugin"]},
         ext_modules=[ext],
         cmdclass={"build_py": BuildPy, "build_ext": BuildExt},
         zip_safe=False,

@@ -48,7 +48,10 @@ def add_arguments(parser):
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--force", action="store_true",
                         help="replace an existing --out (its mode is kept; a symbolic link stays one and its "
-                             "target is replaced), and run a table past the cost limit")
+                             "target is replaced)")
+    parser.add_argument("--allow-expensive", action="store_true",
+                        help="run a table past the cost limit (hours of CPU time; a consent of its own, apart "
+                             "from --force's)")
     parser.add_argument("--allow-inaccurate", action="store_true",
                         help="exit 0 even when the measured error exceeds the tolerance stamped in the file")
 
@@ -59,13 +62,13 @@ def _check_args(a):
 
     div = divergences.get(a.divergence)
     cost = estimated_cost(a.t_max, a.t_density, a.s_nodes, a.ghost, a.dps, a.accuracy_points)
-    if cost > COST_LIMIT and not a.force:
+    if cost > COST_LIMIT and not a.allow_expensive:
         raise UsageError(
             f"--t-density/--s-nodes/--ghost/--dps/--accuracy-points: this table needs about {cost:.3g} node solves "
             f"(counted at 40 digits), about {cost * SECONDS_PER_SOLVE / 3600:.3g} CPU-hours and memory in "
             f"proportion, past the limit of {COST_LIMIT:.3g} (the default table: "
             f"{estimated_cost(**{k: DEFAULTS[k] for k in _COST_ARGS}):.3g}, a minute on 2 cores); "
-            "add --force to run it anyway")
+            "add --allow-expensive to run it anyway")
     if not a.delta_min < a.delta_max:
         raise UsageError(f"--delta-min/--delta-max: expected min < max, got {a.delta_min:g} and {a.delta_max:g}")
     try:

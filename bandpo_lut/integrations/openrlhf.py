@@ -36,8 +36,11 @@ How it fits OpenRLHF (tested: `TESTED_OPENRLHF`):
 from __future__ import annotations
 
 import argparse
+import ast
+import difflib
 import functools
 import importlib
+import importlib.util
 import inspect
 import json
 import math
@@ -281,18 +284,61 @@ def activate_from_env() -> None:
 
 
 def _none_or_float(text: str):
-    return None if text.lower() in ("none", "null") else float(text)
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or None, got {text!r}") from None
+
+
+PROG = "python -m bandpo_lut.integrations.openrlhf"
+_OPENRLHF_MAIN = "openrlhf.cli.train_ppo_ray"
+
+
+def band_parser() -> argparse.ArgumentParser:
+    """The launcher's own options (``--band.*``). No abbreviations: ``--band.max`` must not quietly mean
+    ``--band.max_ratio``. ``exit_on_error=False``: `parse_band_args` reports a bad value as ValueError."""
+    p = argparse.ArgumentParser(
+        prog=PROG, add_help=False, allow_abbrev=False, exit_on_error=False,
+        usage=f"{PROG} [--band.* options] <{_OPENRLHF_MAIN} arguments>",
+        description=f"OpenRLHF's PPO trainer ({_OPENRLHF_MAIN}) with BandPO's band in place of its fixed "
+                    "ratio clip. The --band.* options are this launcher's (defaults: the paper's settings), "
+                    f"written in full; every other argument goes to {_OPENRLHF_MAIN} unchanged.")
+    g = p.add_argument_group("BandPO")
+    g.add_argument("--band.divergence", dest="divergence", default=PAPER["divergence"], metavar="NAME",
+                   help="f-divergence of the trust region: kl, tv, chi2 or hellinger (default: %(default)s)")
+    g.add_argument("--band.delta", dest="delta", type=float, default=PAPER["delta"], metavar="DELTA",
+                   help="trust-region radius, within the shipped table's range (default: %(default)s)")
+    g.add_argument("--band.max_ratio", dest="max_ratio", type=_none_or_float, default=PAPER["max_ratio"],
+                   metavar="R", help="cap on the upper ratio bound, >= 1, or None for no cap (default: "
+                                     "%(default)s)")
+    g.add_argument("--band.dual_clip", dest="dual_clip", type=_none_or_float, default=PAPER["dual_clip"],
+                   metavar="C", help="dual-clip constant > 1 for tokens with A < 0, or None for off; takes the "
+                                     "place of --actor.dual_clip (default: %(default)s)")
+    g.add_argument("--band.clip", dest="clip", default="band", metavar="KIND",
+                   help="band (BandPO), or fixed: OpenRLHF's own clip, with the band metrics logged "
+                        "(default: %(default)s)")
+    return p
 
 
 def parse_band_args(argv: list[str]) -> tuple[BandSettings, list[str]]:
-    """(settings, the remaining arguments for OpenRLHF), the OpenRLHF arguments checked."""
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--band.divergence", dest="divergence", default=PAPER["divergence"])
-    p.add_argument("--band.delta", dest="delta", type=float, default=PAPER["delta"])
-    p.add_argument("--band.max_ratio", dest="max_ratio", type=_none_or_float, default=PAPER["max_ratio"])
-    p.add_argument("--band.dual_clip", dest="dual_clip", type=_none_or_float, default=PAPER["dual_clip"])
-    p.add_argument("--band.clip", dest="clip", default="band")
-    ns, rest = p.parse_known_args(argv)
+    """(settings, the remaining arguments for OpenRLHF), the OpenRLHF arguments checked. A bad value, an
+    unknown ``--band...`` option (an abbreviation included) or an OpenRLHF argument the band cannot train
+    raises ValueError naming it."""
+    p = band_parser()
+    try:
+        ns, rest = p.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        raise ValueError(str(exc)) from None
+    known = [opt for action in p._actions for opt in action.option_strings]
+    # what allow_abbrev=False left over: a --band... token that is none of ours would otherwise reach
+    # OpenRLHF's parser, which fails only after Ray and the trainer are imported
+    unknown = [t.split("=", 1)[0] for t in rest if t.startswith("--band")]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.5)
+        raise ValueError(f"unrecognised argument {unknown[0]}" + (f" (did you mean {close[0]}?)" if close else "")
+                         + f"; the launcher's options are {', '.join(known)}, written in full")
     settings = BandSettings(**vars(ns))
     q = argparse.ArgumentParser(add_help=False)
     q.add_argument("--actor.policy_loss_type", dest="policy_loss_type", default="ppo")
@@ -302,6 +348,41 @@ def parse_band_args(argv: list[str]) -> tuple[BandSettings, list[str]]:
     if settings.clip == "band":
         check_openrlhf_args(**vars(orl))
     return settings, rest
+
+
+def openrlhf_parser() -> Optional[argparse.ArgumentParser]:
+    """OpenRLHF's own argument parser, or None where it cannot be had. train_ppo_ray builds it in its
+    main block, after module imports that need OpenRLHF's GPU stack (vllm, ray); the statements before
+    its ``parser.parse_args()`` need only the standard library, so they are run by themselves, from the
+    installed file, and ``--help`` works wherever OpenRLHF is installed."""
+    try:
+        spec = importlib.util.find_spec(_OPENRLHF_MAIN)
+        tree = ast.parse(Path(spec.origin).read_text())
+        block = next(n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
+        # the file's standard-library imports (argparse, datetime for a default), then the parser's statements
+        body = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) and all(
+            (getattr(n, "module", None) or a.name).split(".")[0] in sys.stdlib_module_names for a in n.names)]
+        for stmt in block.body:
+            if "parse_args" in ast.unparse(stmt):
+                break
+            body.append(stmt)
+        namespace: dict = {}
+        exec(compile(ast.Module(body=body, type_ignores=[]), spec.origin, "exec"), namespace)
+        parser = namespace["parser"]
+        return parser if isinstance(parser, argparse.ArgumentParser) else None
+    except Exception:  # any change in OpenRLHF's file: the help says where to look instead
+        return None
+
+
+def format_help() -> str:
+    """``--help``: the launcher's options, then OpenRLHF's."""
+    text = band_parser().format_help()
+    orl = openrlhf_parser()
+    if orl is None:
+        return text + (f"\nOpenRLHF's own arguments: see `python -m {_OPENRLHF_MAIN} --help` (they could not "
+                       "be read from the installed openrlhf here).\n")
+    orl.usage = argparse.SUPPRESS  # its usage line lists every option again (hundreds of lines)
+    return text + f"\nOpenRLHF's own arguments ({_OPENRLHF_MAIN}):\n\n" + orl.format_help()
 
 
 def _ray_init_with_hook(init):
@@ -316,16 +397,25 @@ def _ray_init_with_hook(init):
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """``python -m bandpo_lut.integrations.openrlhf ARGS``: OpenRLHF's train_ppo_ray with the band."""
+    """``python -m bandpo_lut.integrations.openrlhf ARGS``: OpenRLHF's train_ppo_ray with the band. A bad
+    ``--band.*`` value, an unknown ``--band...`` option or an OpenRLHF setting the band cannot train ends
+    as argparse's errors do (the usage, one error line, exit 2), before Ray starts."""
     import runpy
 
-    settings, rest = parse_band_args(sys.argv[1:] if argv is None else argv)  # refuses before Ray starts
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        sys.stdout.write(format_help())
+        raise SystemExit(0)
+    try:
+        settings, rest = parse_band_args(argv)
+    except ValueError as exc:
+        band_parser().error(str(exc))
     import ray
 
     os.environ[ENV] = json.dumps(asdict(settings))
     ray.init = _ray_init_with_hook(ray.init)
-    sys.argv = ["openrlhf.cli.train_ppo_ray", *rest]
-    runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+    sys.argv = [_OPENRLHF_MAIN, *rest]
+    runpy.run_module(_OPENRLHF_MAIN, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

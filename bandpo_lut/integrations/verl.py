@@ -22,9 +22,10 @@ How it fits verl:
   the paper's (kl, δ = 0.05, cap 10, dual clip 10). Unknown or invalid band settings (δ outside the
   shipped table's range, a divergence without a compiled kernel, cap < 1, dual clip <= 1) fail when
   verl builds the config -- in the driver's ``validate_config``, before any worker starts -- with a
-  message naming the key; so does ``_target_`` without ``loss_mode=bandpo``. Once this module is
-  imported (e.g. by ``VERL_USE_EXTERNAL_MODULES``), band keys under verl's own ``PolicyLossConfig``
-  (a missing ``_target_``) fail with a message saying to set it.
+  message naming the key; so does ``_target_`` without ``loss_mode=bandpo``. ``loss_mode=bandpo`` or
+  band keys under verl's own ``PolicyLossConfig`` (a forgotten ``_target_``) fail there too, with a
+  message naming the ``_target_`` line: `bandpo_lut.integrations.verl_plugin`, which verl's plug-in
+  loader (entry point group ``verl.plugins``) imports at ``import verl``.
 - **Import in the workers.** verl instantiates the actor config (and so imports this module through
   the ``_target_``) in the driver and in every worker process that builds an actor, i.e. exactly
   where the loss is looked up. No further switch is needed; verl's own hooks work too, e.g.
@@ -54,7 +55,6 @@ How it fits verl:
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 import logging
 import warnings
@@ -67,6 +67,7 @@ import torch
 import bandpo_lut
 from bandpo_lut.runtime.loss_spec import CLIPS, COUNTS, MODES
 
+from . import verl_plugin
 from ._common import PAPER, check_band, check_framework, is_number
 
 try:
@@ -83,8 +84,8 @@ __all__ = ["BandPolicyLossConfig", "compute_policy_loss_bandpo", "LOSS_NAME", "T
 
 LOSS_NAME = "bandpo"
 TESTED_VERL = ("0.9.1",)
-TARGET = "bandpo_lut.integrations.verl.BandPolicyLossConfig"
-_SECTION = "actor_rollout_ref.actor.policy_loss"
+TARGET = verl_plugin.TARGET
+_SECTION = verl_plugin.SECTION
 
 logger = logging.getLogger(__name__)
 
@@ -197,29 +198,10 @@ def _validate_band_settings(cfg) -> None:
         raise ValueError(f"{name}.band_log_counts must be true or false, got {cfg.band_log_counts!r}")
 
 
-def _install_missing_target_hint() -> None:
-    """Band keys under verl's own PolicyLossConfig (no ``_target_``) fail with dataclass's bare
-    "unexpected keyword argument"; once this module is imported, say what to add instead. Only
-    that failing call changes: any other construction of PolicyLossConfig runs verl's __init__."""
-    original = PolicyLossConfig.__init__
-    if getattr(original, "_bandpo_hint", False):
-        return
-
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        band = sorted(k for k in kwargs if k.startswith("band_"))
-        if band and type(self) is PolicyLossConfig:
-            raise TypeError(
-                f"{_SECTION} has BandPO settings ({', '.join(band)}) but its _target_ is verl's "
-                f"PolicyLossConfig, which has no such fields. Add "
-                f"{_SECTION}._target_={TARGET} (and {_SECTION}.loss_mode={LOSS_NAME})")
-        original(self, *args, **kwargs)
-
-    __init__._bandpo_hint = True
-    PolicyLossConfig.__init__ = __init__
-
-
-_install_missing_target_hint()
+# verl's own PolicyLossConfig refuses loss_mode=bandpo and band_* keys, naming the _target_ line. Also
+# installed by verl's plug-in loader at `import verl` (setup.py: verl.plugins), so that a driver which
+# never names this module refuses too.
+verl_plugin.install()
 
 
 _DEFAULTS = {f.name: f.default for f in fields(BandPolicyLossConfig) if f.name.startswith("band_")}
@@ -228,8 +210,9 @@ _validated_plain: set = set()
 
 
 def _band_settings(policy_loss_cfg) -> dict:
-    """The band settings of an actor's policy_loss section (a BandPolicyLossConfig, or a plain
-    PolicyLossConfig / DictConfig, which gets the defaults)."""
+    """The band settings of an actor's policy_loss section: a BandPolicyLossConfig's, or the defaults
+    for a section without band fields (a DictConfig from a caller of the loss outside verl's config
+    classes: verl's own PolicyLossConfig with loss_mode=bandpo is refused when built, verl_plugin)."""
     global _warned_plain_config
     if policy_loss_cfg is not None and all(hasattr(policy_loss_cfg, k) for k in _DEFAULTS):
         return {k: getattr(policy_loss_cfg, k) for k in _DEFAULTS}

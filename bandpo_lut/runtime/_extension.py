@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -63,14 +64,26 @@ def _compiled_config(module: ModuleType) -> dict | None:
     return {name: facts.get(name) for name in _FIELDS}
 
 
-def _installed_copy() -> Path | None:
-    """The folder of an installed (non-editable) bandpo_lut that has a compiled _C, if any."""
+def _installed_copy(here: Path) -> Path | None:
+    """The folder of another bandpo_lut, one with a compiled _C, that the source tree `here` shadows; None if
+    there is none. Looked for in the metadata of every installed distribution of bandpo_lut, then in every
+    entry of sys.path: the first metadata found is not enough, since a checkout's own bandpo_lut.egg-info
+    (left by a development build) is on the path first and names the checkout itself."""
+    candidates = []
     try:
-        from importlib.metadata import PackageNotFoundError, distribution
-        folder = Path(distribution("bandpo_lut").locate_file("bandpo_lut")).resolve()
-    except (ImportError, PackageNotFoundError, TypeError, OSError):
-        return None
-    return folder if any(folder.glob("_C.*")) else None
+        from importlib.metadata import distributions
+        candidates += [Path(d.locate_file("bandpo_lut")) for d in distributions(name="bandpo_lut")]
+    except (ImportError, TypeError, OSError, ValueError):
+        pass
+    candidates += [Path(entry or ".") / "bandpo_lut" for entry in sys.path if isinstance(entry, str)]
+    for folder in candidates:
+        try:
+            folder = folder.resolve()
+            if folder != here and any(folder.glob("_C.*")):
+                return folder
+        except OSError:
+            continue
+    return None
 
 
 def _mismatches(built: dict, torch) -> list[str]:
@@ -113,8 +126,8 @@ def load() -> ModuleType:
     recorded = _recorded_config()
     if spec is None:
         here = Path(__file__).resolve().parent
-        installed = _installed_copy()
-        if installed is not None and installed != here:
+        installed = _installed_copy(here)
+        if installed is not None:
             raise ImportError(
                 f"bandpo_lut was imported from the source tree {here}, which has no compiled extension, "
                 f"instead of the installed copy in {installed}: the current directory (or PYTHONPATH) "

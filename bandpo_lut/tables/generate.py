@@ -76,7 +76,7 @@ def _check_grid(div, t_max, t_density, delta_min, delta_max) -> None:
 # The cost of a table, in mpmath root solves at 40 digits (~1.5 ms each on one core; the cost grows about as
 # the square of the digits): every node of the ghost-extended grid, and three per accuracy point.
 SECONDS_PER_SOLVE = 1.5e-3
-COST_LIMIT = 4e6          # ~1.7 CPU-hours, 60 times the default table; --force runs past it
+COST_LIMIT = 4e6          # ~1.7 CPU-hours, 60 times the default table; --allow-expensive runs past it
 _COST_ARGS = ("t_max", "t_density", "s_nodes", "ghost", "dps", "accuracy_points")
 
 

@@ -174,3 +174,42 @@ def test_ctrl_c_in_generate_prints_one_line_and_leaves_no_file(workers, tmp_path
     assert lines == [f"bandpo-lut generate: interrupted; no table written ({out} unchanged)"], stderr
     assert not out.exists()
     assert not any(out.parent.iterdir()), list(out.parent.iterdir())   # no temporary file either
+
+
+def test_generate_force_does_not_lift_the_cost_limit(tmp_path):
+    """--force consents to replacing --out, nothing more: a table past the cost limit (hours of CPU) is still
+    refused at once, naming its own consent, --allow-expensive."""
+    out = tmp_path / "kl.bplut"
+    out.write_bytes(b"old")
+    args = ["generate", "--divergence", "kl", "--out", out, *QUICK, "--force"]
+    args[args.index("--t-density") + 1] = "100000000"
+    r = cli(*args, cwd=tmp_path, timeout=120)
+    assert_usage_error(r, "--t-density", "CPU-hours", "--allow-expensive")
+    assert out.read_bytes() == b"old"
+
+
+def _bench_env(tmp_path):
+    return fresh_env(HOME=tmp_path / "no-such-home")    # bench's children must not need a home folder
+
+
+def test_bench_without_a_home_folder_measures_memory(tmp_path):
+    """bench's memory rows run in child processes; with HOME naming no folder (a service account, a
+    container) they are measured, not reported as unmeasurable (the children ran in the home folder)."""
+    small = ["--n", "64", "--batch", "2", "--tokens", "64", "--repeats", "1", "--skip-bisection", "--accuracy-points",
+             "0"]
+    r = run_fresh(["-m", "bandpo_lut.cli", "bench", *small], cwd=tmp_path, env=_bench_env(tmp_path), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.search(r"peak extra memory, fwd\+bwd: fused [0-9.]+ MB, eager [0-9.]+ MB", r.stdout), r.stdout[-2000:]
+
+
+def test_bench_fused_linear_exits_non_zero_when_its_rows_fail(tmp_path):
+    """Sizes whose rows cannot run (a 400 GB LM head): one error line saying which rows failed, exit 1; it
+    used to exit 0 with an empty table."""
+    args = ["--fused-linear", "--fl-tokens", "8", "--fl-hidden", "1024", "--fl-vocab", "100000000", "--fl-repeats",
+            "1"]
+    r = run_fresh(["-m", "bandpo_lut.cli", "bench", *args], cwd=tmp_path, env=_bench_env(tmp_path), timeout=300)
+    assert r.returncode == 1, (r.returncode, r.stdout[-1000:], r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("bandpo-lut bench: error: ")]
+    assert len(errors) == 1 and "2 of 2 fused-linear rows failed" in errors[0] and "--fl-vocab 100000000" in \
+        errors[0], r.stderr[-2000:]

@@ -81,7 +81,7 @@ def test_generate_refuses_a_table_past_its_cost_limit(size, tmp_path, capsys, mo
     out = tmp_path / "kl.bplut"
     args = ["generate", "-d", "kl", "--out", str(out)] + QUICK
     args[args.index(size[0]) + 1] = size[1]
-    usage_error(args, capsys, size[0], "CPU-hours", "--force")
+    usage_error(args, capsys, size[0], "CPU-hours", "--allow-expensive")
     assert not out.exists()
 
 

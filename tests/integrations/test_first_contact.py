@@ -5,7 +5,9 @@ These need neither verl nor TRL, so BANDPO_SKIP_INTEGRATIONS does not skip them.
 """
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -103,3 +105,69 @@ def test_readme_quick_start_runs_and_uses_the_papers_settings():
     namespace: dict = {}
     exec(compile(blocks[0], "README.md", "exec"), namespace)
     assert namespace["log_prob"].grad is not None and namespace["loss"].dim() == 0
+
+
+def _tracked(folder: str) -> list[Path]:
+    out = subprocess.run(["git", "ls-files", folder], cwd=REPO, capture_output=True, text=True)
+    return [Path(line) for line in out.stdout.splitlines()] if out.returncode == 0 else []
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_readme_trap_names_the_shadowing_source_tree_despite_an_egg_info(tmp_path):
+    """The README's trap: Python run from a checkout whose source tree (no compiled _C) shadows the installed
+    package. The error names the source tree and the installed copy, and says to run from outside the checkout;
+    a bandpo_lut.egg-info in the checkout (what a development build leaves) does not turn it into a rebuild
+    advice (it did: its metadata names the checkout itself)."""
+    import bandpo_lut
+
+    if not _tracked("bandpo_lut"):
+        pytest.skip("not a git checkout: the source tree's files are not known")
+    # a scratch checkout: the tracked sources and tables, no compiled extension, a development build's egg-info
+    checkout = tmp_path / "checkout"
+    for rel in _tracked("bandpo_lut") + _tracked("tables"):
+        (checkout / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPO / rel, checkout / rel)
+    egg = checkout / "bandpo_lut.egg-info"
+    egg.mkdir()
+    (egg / "PKG-INFO").write_text(f"Metadata-Version: 2.1\nName: bandpo_lut\nVersion: {bandpo_lut.__version__}\n")
+    (egg / "top_level.txt").write_text("bandpo_lut\n")
+    assert not any((checkout / "bandpo_lut").glob("_C.*"))
+    # an installed copy (with the _C this test process loaded, and its metadata), on PYTHONPATH
+    site = tmp_path / "site"
+    shutil.copytree(Path(bandpo_lut.__file__).resolve().parent, site / "bandpo_lut",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "tables", site / "bandpo_lut" / "tables")   # where a wheel puts them
+    dist = site / f"bandpo_lut-{bandpo_lut.__version__}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: bandpo_lut\nVersion: {bandpo_lut.__version__}\n")
+    env = dict(os.environ, PYTHONPATH=str(site), OMP_NUM_THREADS="1")
+    # A development install's import hook (setuptools' editable finder, if this venv has one) serves
+    # bandpo_lut._C from its own checkout to any bandpo_lut; a user's installed package has no such hook.
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'Editable' not in repr(f)]\n"
+            "import torch, bandpo_lut; print(bandpo_lut.__file__); bandpo_lut.bounds(torch.tensor([0.5]), 0.05)")
+
+    out = run_fresh(["-c", code], cwd=checkout, env=env, timeout=300)
+    assert out.returncode != 0 and str(checkout / "bandpo_lut") in out.stdout, (out.stdout, out.stderr[-2000:])
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: bandpo_lut was imported from the source tree "
+                           f"{(checkout / 'bandpo_lut').resolve()}"), last
+    assert f"instead of the installed copy in {(site / 'bandpo_lut').resolve()}" in last, last
+    assert "Run from outside the checkout" in last and "(Re)build" not in last, last
+    # the copy it names is a working install: from outside the checkout the same call runs
+    ok = run_fresh(["-c", code], cwd=tmp_path, env=env, timeout=300)
+    assert ok.returncode == 0 and str(site / "bandpo_lut") in ok.stdout, ok.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_readme_quick_start_runs_without_warnings_in_a_fresh_process(tmp_path):
+    """The README's policy_loss quick start, as a user pastes it into a fresh Python, with every warning an
+    error (`float(loss)` on a tensor that requires grad warns under torch 2.14; `loss.item()` does not)."""
+    text = (REPO / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "bandpo_lut.policy_loss(" in b]
+    assert len(blocks) == 1
+    assert "float(loss)" not in blocks[0], "float() of a tensor that requires grad warns under torch 2.14"
+    out = run_fresh(["-W", "error", "-c", blocks[0]], cwd=tmp_path, timeout=300)
+    assert out.returncode == 0 and not out.stderr.strip(), out.stderr[-3000:]
+    assert len(out.stdout.split()) == 3, out.stdout

@@ -60,11 +60,52 @@ def test_openrlhf(results, name):
     assert ok, f"{CHECKS[name]}: {detail}"
 
 
-def test_launcher_refuses_before_ray(tmp_path):
-    """The documented command line with an impossible band: refused, naming the argument, before
-    OpenRLHF's trainer (and Ray) is imported."""
-    proc = run_fresh(["-m", "bandpo_lut.integrations.openrlhf", "--actor.model_name_or_path", "Qwen/Qwen3-0.6B",
-                      "--band.delta", "7"], cwd=tmp_path, env=site_env())
-    assert proc.returncode != 0
-    assert "--band.delta=7.0 is outside the range" in proc.stderr, proc.stderr[-2000:]
-    assert "train_ppo_ray" not in proc.stderr and "ray/" not in proc.stderr, proc.stderr[-2000:]
+def launcher(*args, cwd):
+    """The launcher as a user runs it, with the documented arguments."""
+    return run_fresh(["-m", "bandpo_lut.integrations.openrlhf", "--actor.model_name_or_path", "Qwen/Qwen3-0.6B",
+                      *args], cwd=cwd, env=site_env())
+
+
+PROG = "python -m bandpo_lut.integrations.openrlhf"
+
+
+def assert_usage_error(proc, *needles):
+    """argparse's way: exit 2, the usage, one error line naming the argument, no traceback, nothing of
+    OpenRLHF's trainer (or Ray) imported."""
+    err = proc.stderr
+    assert proc.returncode == 2, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err and "train_ppo_ray.py" not in err and "ray/" not in err, err[-2000:]
+    assert f"usage: {PROG}" in err, err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith(f"{PROG}: error: ")]
+    assert len(errors) == 1, err[-2000:]
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+
+
+def test_launcher_refuses_a_bad_band_before_ray(tmp_path):
+    """The documented command line with an impossible band: an argparse error naming the argument (exit 2,
+    not a traceback), before OpenRLHF's trainer (and Ray) is imported."""
+    assert_usage_error(launcher("--band.delta", "7", cwd=tmp_path), "--band.delta=7.0 is outside the range")
+
+
+def test_launcher_refuses_an_abbreviated_band_option(tmp_path):
+    """`--band.max` is not taken for --band.max_ratio (nor passed on to OpenRLHF, which would fail only after
+    importing Ray and its trainer): refused, naming it and the full option."""
+    assert_usage_error(launcher("--band.max", "3", cwd=tmp_path), "--band.max ", "did you mean --band.max_ratio")
+
+
+def test_launcher_help_lists_the_band_options_and_openrlhfs(tmp_path):
+    """--help lists every --band.* option with its default, then OpenRLHF's own arguments, on a machine
+    without OpenRLHF's GPU stack (vllm is not installed here)."""
+    proc = run_fresh(["-m", "bandpo_lut.integrations.openrlhf", "--help"], cwd=tmp_path, env=site_env())
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    out = proc.stdout
+    assert f"usage: {PROG}" in out, out[:500]  # (deepspeed logs a line to stdout first)
+    for option, default in (("--band.divergence", "kl"), ("--band.delta", "0.05"), ("--band.max_ratio", "10.0"),
+                            ("--band.dual_clip", "10.0"), ("--band.clip", "band")):
+        block = out[out.index(f"  {option} "):]
+        block = block[:min(i for i in (block.find("\n  -"), block.find("\n\n")) if i > 0)]
+        assert f"(default: {default})" in block, (option, block)
+    orl = out[out.index("OpenRLHF's own arguments"):]
+    for option in ("--actor.policy_loss_type", "--actor.eps_clip_low_high", "--algo.advantage.is_correction_level"):
+        assert option in orl, option

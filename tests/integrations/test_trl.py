@@ -126,6 +126,13 @@ def readme_trl_settings() -> dict:
     return {k.arg: ast.literal_eval(k.value) for k in calls[0].keywords}
 
 
+def test_readme_snippet_runs_on_a_cpu_machine_as_written():
+    """The README's TRL snippet sets use_cpu=True, bf16=False in its code (TRL's default bf16 fails on a CPU
+    machine), not in a comment a reader has to act on."""
+    settings = readme_trl_settings()
+    assert settings.get("use_cpu") is True and settings.get("bf16") is False, settings
+
+
 # What the tiny random model needs to move in a few steps; everything else is the README's.
 TINY_TRAINING = dict(learning_rate=0.05, max_steps=4)
 

@@ -275,20 +275,53 @@ def test_band_keys_without_target_say_to_set_it():
     assert PolicyLossConfig(loss_mode="vanilla").loss_mode == "vanilla"
 
 
-def test_plain_config_route_uses_the_papers_settings():
-    """loss_mode=bandpo without our _target_ (the external_lib / VERL_USE_EXTERNAL_MODULES route):
-    the loss uses the defaults, which are the paper's (cap 10, dual clip 10)."""
-    cfg = actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=bandpo", band=False)
-    assert type(cfg.policy_loss).__name__ == "PolicyLossConfig"
-    b = make_batch(7, spread=3.0)
-    loss, grad, _ = run_ppo_loss(cfg, b)
-    log_prob = b["new"].clone().requires_grad_(True)
-    want, want_m = bandpo_lut.policy_loss(log_prob, b["old"], b["adv"], b["response_mask"], delta=0.05,
-                             divergence="kl", max_ratio=10.0, dual_clip=10.0)
-    (want_grad,) = torch.autograd.grad(want, log_prob)
-    assert_close(loss, want.detach())
-    assert_close(grad, want_grad)
-    assert float(want_m["n_dual_clipped"]) > 0  # the dual clip is exercised
+def test_loss_mode_bandpo_without_target_is_refused_naming_the_line():
+    """loss_mode=bandpo under verl's own PolicyLossConfig (the _target_ line forgotten): refused when the
+    config is built, naming the line to add (it used to pass, and the run died in a worker at the first
+    update, or trained with settings nobody set). verl's own losses build as before."""
+    with pytest.raises(Exception) as info:
+        actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=bandpo", band=False)
+    assert f"add the line actor_rollout_ref.actor.policy_loss._target_={TARGET}" in str(info.value)
+    assert type(actor_config(band=False).policy_loss).__name__ == "PolicyLossConfig"
+    assert actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", band=False).policy_loss.loss_mode \
+        == "gspo"
+
+
+# verl's driver as `python -m verl.trainer.main_ppo OVERRIDES` runs it (Hydra main, validate_config), up to
+# the point where it would start Ray: run_ppo, replaced by a marker.
+_DRIVER = """
+import sys
+import verl.trainer.main_ppo as main_ppo
+main_ppo.run_ppo = lambda *a, **k: print("VALIDATED: the driver would start Ray now")
+sys.argv = ["main_ppo", *sys.argv[1:]]
+main_ppo.main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_verls_driver_refuses_loss_mode_bandpo_without_target(tmp_path):
+    """A fresh driver that never names bandpo_lut (no _target_, no VERL_USE_EXTERNAL_MODULES): verl's
+    plug-in loader imports bandpo_lut.integrations.verl_plugin (setup.py's verl.plugins entry point), and
+    validate_config refuses, naming the missing line, before Ray starts. With the line, it validates."""
+    base = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
+            "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=1",
+            "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=bandpo",
+            "hydra.run.dir=" + str(tmp_path / "h")]
+    env = fresh_env()
+    env.pop("VERL_USE_EXTERNAL_MODULES", None)
+    env.pop("VERL_USE_EXTERNAL_PLUGINS", None)
+    out = run_fresh(["-c", _DRIVER, *base], cwd=tmp_path, env=env, timeout=300)
+    assert "VALIDATED" not in out.stdout, "verl's driver accepted loss_mode=bandpo without the _target_ line"
+    assert out.returncode != 0
+    assert f"add the line actor_rollout_ref.actor.policy_loss._target_={TARGET}" in out.stderr + out.stdout, \
+        out.stderr[-3000:]
+    ok = run_fresh(["-c", _DRIVER, *base, f"actor_rollout_ref.actor.policy_loss._target_={TARGET}"], cwd=tmp_path,
+                   env=env, timeout=300)
+    assert ok.returncode == 0 and "VALIDATED" in ok.stdout, ok.stderr[-3000:]
 
 
 def _run_fresh_python(code: str, **env) -> subprocess.CompletedProcess:

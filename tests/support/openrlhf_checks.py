@@ -3,6 +3,8 @@ module's utils import), run by tests/integrations/test_openrlhf.py in a fresh in
 .openrlhf-site on PYTHONPATH. Prints one JSON object: check name -> [ok, detail]."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -169,7 +171,28 @@ def _():
                      "--actor.policy_loss_type"),
         expect_error(lambda: borl.parse_band_args(["--algo.advantage.is_correction_level", "seq"]),
                      "--algo.advantage.is_correction_level"),
+        expect_error(lambda: borl.parse_band_args(["--band.delta", "abc"]), "--band.delta", "'abc'"),
+        expect_error(lambda: borl.parse_band_args(["--band.dual_clip", "off"]), "--band.dual_clip", "'off'"),
+        # no abbreviations, and no --band option that is not one of the launcher's
+        expect_error(lambda: borl.parse_band_args(["--band.max", "3"]), "--band.max ", "--band.max_ratio?"),
+        expect_error(lambda: borl.parse_band_args(["--band.dual=3"]), "--band.dual ", "--band.dual_clip?"),
+        expect_error(lambda: borl.parse_band_args(["--band_delta", "0.1"]), "--band_delta", "--band.delta?"),
     ]
+    # the launcher's main: each of these is an argparse error (exit 2, one line naming the argument)
+    for argv, needle in ((["--band.divergence", "js"], "--band.divergence='js'"),
+                         (["--actor.policy_loss_type", "gspo"], "--actor.policy_loss_type='gspo'"),
+                         (["--band.max_ratio", "0.5"], "--band.max_ratio must be"),
+                         (["--band.clip=dcpo"], "--band.clip must be")):
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                borl.main(["--actor.model_name_or_path", "m", *argv])
+        except SystemExit as exc:
+            assert exc.code == 2, (argv, exc.code)
+        else:
+            raise AssertionError(f"{argv} accepted")
+        lines = [line for line in err.getvalue().splitlines() if line.startswith(f"{borl.PROG}: error: ")]
+        assert len(lines) == 1 and needle in lines[0], (argv, err.getvalue())
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         borl._warned_dual = False

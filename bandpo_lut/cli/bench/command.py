@@ -21,6 +21,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -201,13 +202,25 @@ before = status('VmRSS:')
 _loss_step({kind!r}, b)
 print((status('VmHWM:') - before) / 1024.0)
 """
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2")
+    env = child_env(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2")
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             cwd=os.path.expanduser("~"), env=env)
+        with tempfile.TemporaryDirectory() as cwd:
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                 cwd=cwd, env=env)
     except (subprocess.CalledProcessError, OSError):
         return None
     return float(out.stdout.strip().splitlines()[-1])
+
+
+def child_env(**extra) -> dict:
+    """The environment of a measuring child process: this one's, with this bandpo_lut's parent folder first on
+    PYTHONPATH (the child runs in an empty temporary folder, never the home folder, which may be unset or
+    absent, nor the current one, where a source checkout would shadow the package), plus `extra`."""
+    import bandpo_lut
+
+    parent = os.path.dirname(os.path.dirname(os.path.abspath(bandpo_lut.__file__)))
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([parent, *paths]), **extra)
 
 
 CPU_VARIANT_TARGETS = {"avx512": "x86-64-v4", "avx2": "x86-64-v3", "baseline": "x86-64"}

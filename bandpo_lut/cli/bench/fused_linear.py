@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -101,13 +102,17 @@ def measure(kind, tokens, hidden, vocab, train, repeats, chunk, device, threads)
     """(peak extra bytes, median seconds) of one configuration, in a fresh process; None if it failed."""
     if device.type == "cpu" and not os.path.exists("/proc/self/clear_refs"):
         return None
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads))
+    from bandpo_lut.cli.bench.command import child_env
+
+    env = child_env(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads))
     arg = json.dumps([kind, tokens, hidden, vocab, train, repeats, chunk, str(device)])
     try:
-        out = subprocess.run([sys.executable, "-c", _CHILD.format(threads=threads), arg], capture_output=True,
-                             text=True, check=True, cwd=os.path.expanduser("~"), env=env)
+        with tempfile.TemporaryDirectory() as cwd:
+            out = subprocess.run([sys.executable, "-c", _CHILD.format(threads=threads), arg], capture_output=True,
+                                 text=True, check=True, cwd=cwd, env=env)
     except subprocess.CalledProcessError as err:
-        print(f"  ({kind}, V={vocab}: failed: {err.stderr.strip().splitlines()[-1:]})")
+        last = err.stderr.strip().splitlines()[-1:] or [f"exit status {err.returncode}"]
+        print(f"  ({kind}, V={vocab}, head {'trained' if train else 'frozen'}: failed: {last[0]})", file=sys.stderr)
         return None
     return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
 
@@ -122,7 +127,7 @@ def run(args, device) -> int:
           f"memory: {accounting}; time: median of {reps} fwd+bwd steps")
     print(f"{'V':>7s} {'head':>7s} {'chunk':>6s} {'grads MB':>9s} {'unfused MB':>11s} {'fused MB':>9s} "
           f"{'mem ratio':>9s} {'unfused s':>10s} {'fused s':>8s} {'time ratio':>10s}")
-    rows = []
+    rows, failed = [], []
     for vocab in args.fl_vocab:
         chunk = args.fl_chunk or default_chunk_size(n, vocab)
         for train in (False, True):
@@ -130,6 +135,7 @@ def run(args, device) -> int:
             un = measure("unfused", n, hdim, vocab, train, reps, args.fl_chunk, device, args.threads)
             fu = measure("fused", n, hdim, vocab, train, reps, args.fl_chunk, device, args.threads)
             if un is None or fu is None:
+                failed.append(f"V={vocab} head {'trained' if train else 'frozen'}")
                 continue
             mem_u, mem_f = (un[0] - grads) / 2 ** 20, (fu[0] - grads) / 2 ** 20
             row = dict(vocab=vocab, head="trained" if train else "frozen", chunk=chunk, grads_mb=grads / 2 ** 20,
@@ -142,4 +148,11 @@ def run(args, device) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"fused_linear_rows": rows}, fh, indent=1)
+    if failed:
+        # a bench whose rows failed measured nothing for them: say so and exit non-zero, never 0
+        print(f"bandpo-lut bench: error: {len(failed)} of {len(failed) + len(rows)} fused-linear rows failed "
+              f"({', '.join(failed)}; each one's reason is above): --fl-tokens {n} --fl-hidden {hdim} --fl-vocab "
+              f"{' '.join(map(str, args.fl_vocab))} could not run here (sizes past this machine's memory?); lower "
+              "them", file=sys.stderr)
+        return 1
     return 0
