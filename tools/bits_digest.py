@@ -61,7 +61,8 @@ for div in ("kl", "tv", "chi2", "hellinger"):
             for per_token in (False, True):
                 delta = d64.to(dtype) if per_token else 0.05
                 for max_ratio in (None, 10.0):
-                    name = f"{div}/{dtype}/{'logp' if log_input else 'p'}/{'tok' if per_token else 'scalar'}/{max_ratio}"
+                    name = (f"{div}/{dtype}/{'logp' if log_input else 'p'}/"
+                            f"{'tok' if per_token else 'scalar'}/{max_ratio}")
                     lo, up = bandpo_lut.bounds(delta=delta, divergence=div, max_ratio=max_ratio, **kw)
                     put("bounds.lo/" + name, lo)
                     put("bounds.up/" + name, up)
