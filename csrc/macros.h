@@ -51,7 +51,7 @@
 // force-inlined (BANDPO_INLINE), so its code is compiled for each target; an intrinsics kernel compiled under
 // its own target pragma is called from the BODY of its variant (`if constexpr`).
 #if BANDPO_CPU_MULTIVERSION
-#define BANDPO_CPU_VARIANTS(RET, NAME, PARAMS, BODY, ARGS)                                        \
+#define BANDPO_CPU_VARIANTS(RET, NAME, PARAMS, BODY, ARGS)                                           \
   BANDPO_TARGET_AVX512 RET NAME##_avx512 PARAMS { return BODY<::bandpo::CpuVariant::kAvx512> ARGS; } \
   BANDPO_TARGET_AVX2 RET NAME##_avx2 PARAMS { return BODY<::bandpo::CpuVariant::kAvx2> ARGS; }       \
   RET NAME##_baseline PARAMS { return BODY<::bandpo::CpuVariant::kBaseline> ARGS; }                  \

@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "bandpo_math.h"
-#include "cpu/cpu_variant.h"
 #include "macros.h"
 #include "cpu/simd/wide_cells.h"
 

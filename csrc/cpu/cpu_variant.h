@@ -67,8 +67,8 @@ inline CpuVariant cpu_variant_from_env() {
   for (CpuVariant v : {CpuVariant::kBaseline, CpuVariant::kAvx2, CpuVariant::kAvx512}) {
     if (std::strcmp(env, cpu_variant_name(v)) != 0) continue;
     TORCH_CHECK_VALUE(static_cast<int>(v) <= static_cast<int>(best), "bandpo_lut: environment variable ",
-                      "BANDPO_LUT_CPU_VARIANT='", env, "' asks for a kernel this CPU cannot run; accepted here: ",
-                      cpu_variants_accepted());
+                      "BANDPO_LUT_CPU_VARIANT='", env,
+                      "' asks for a kernel this CPU cannot run; accepted here: ", cpu_variants_accepted());
     return v;
   }
   TORCH_CHECK_VALUE(false, "bandpo_lut: environment variable BANDPO_LUT_CPU_VARIANT='", env,

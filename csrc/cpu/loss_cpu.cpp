@@ -17,6 +17,7 @@
 
 #include "band_host.h"
 #include "cpu/band_cpu.h"
+#include "cpu/cpu_variant.h"
 #include "loss_host.h"
 
 namespace bandpo {
@@ -209,7 +210,7 @@ void row_sums_generic(const LossParams& params, const DeltaConsts<acc_t>& c, con
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_forward(const LossTensors& inputs, const LossSettings& settings,
-                                                                LossParams params) {
+                                                            LossParams params) {
   cpu_variant();  // an invalid BANDPO_LUT_CPU_VARIANT raises here, on the calling thread, not in a worker
   std::shared_ptr<const CellPolys> keep;
   attach_cells(params, keep);
@@ -299,7 +300,7 @@ struct CpuLoss {
   struct NoGuard {};
   static NoGuard device_guard(const at::Tensor&) { return {}; }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const LossTensors& inputs, const LossSettings& s,
-                                                                 LossParams params) {
+                                                                LossParams params) {
     return loss_forward(inputs, s, params);
   }
   static at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& row_scale, const LossTensors& inputs,

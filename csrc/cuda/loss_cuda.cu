@@ -427,7 +427,7 @@ at::Tensor loss_backward(const at::Tensor& grad_loss, const at::Tensor& row_scal
 struct CudaLoss {
   static c10::cuda::CUDAGuard device_guard(const at::Tensor& lp) { return c10::cuda::CUDAGuard(lp.device()); }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const LossTensors& inputs, const LossSettings&,
-                                                                 LossParams params) {
+                                                                LossParams params) {
     return loss_forward(inputs, params);
   }
   static at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& row_scale, const LossTensors& inputs,
