@@ -397,10 +397,11 @@ def main() -> None:
     # skips its TORCH_CUDA_ARCH_LIST handling), which is why the build facts travel in a header.
     # -fno-trapping-math: lets GCC if-convert the branch-free float loops (csrc/cpu) and vectorise them;
     # it changes no result (NaN and inf semantics are kept), only assumptions about FP exception flags.
-    # -fno-math-errno: sqrt (the closed forms, csrc/cpu/closed_form_cpu.h) becomes one vector instruction instead
-    # of a libm call kept for errno on negative input, which blocks vectorisation; results are unchanged.
-    # -mprefer-vector-width=512: GCC's generic tuning vectorises 256 bits wide even in the AVX-512 clone
-    # (csrc/cpu/band_cpu.h); 512 is what the clone is for. x86 only; code for other ISAs is unaffected.
+    # -fno-math-errno: sqrt (the closed forms, csrc/cpu/simd/closed_form_cpu.h) becomes one vector instruction
+    # instead of a libm call kept for errno on negative input, which blocks vectorisation; results are unchanged.
+    # -mprefer-vector-width=512: GCC's generic tuning vectorises 256 bits wide even in the AVX-512 variant
+    # (BANDPO_CPU_VARIANTS, csrc/macros.h); 512 is what that variant is for. x86 only; code for other ISAs is
+    # unaffected.
     # -fopenmp: at::parallel_for is inlined from torch's headers into our code, and parallelises only
     # when the extension itself is compiled with OpenMP (torch's CPU builds use the same libgomp).
     # -Werror=switch: a `switch` over an enum (csrc/divergence.h) that misses an enumerator does not compile,

@@ -22,7 +22,7 @@ constexpr int kWarpSize = 64;
 constexpr int kWarpSize = 32;
 #endif
 
-struct WideCells;  // csrc/cpu/wide_cells.h
+struct WideCells;  // csrc/cpu/simd/wide_cells.h
 
 // The table as the kernels see it. Plain data: pointers and sizes only, no at::Tensor.
 struct TableView {
@@ -61,7 +61,7 @@ struct BandParams {
   double delta_ws[4];
   const float* cell_f;             // scalar δ, KL: [nt - 1][8] power-basis cubics per t cell (q_up, κ), float
   const double* cell_d;            // the same in double, for float64 inputs
-  const WideCells* wide;           // CPU only (csrc/cpu/wide_cells.h): the same re-cut into 32 wide cells, or null
+  const WideCells* wide;           // CPU only (csrc/cpu/simd/wide_cells.h): the same re-cut into 32 wide cells, or null
   ClosedDelta<float> closed_f[3];  // closed forms in float: the scalar δ, δ_min, δ_max (closed_delta, on the host)
 };
 
@@ -268,14 +268,6 @@ BANDPO_HD void kl_finish(T p, T one_minus_p, T t, T q_tab, T kappa, const DeltaC
   lo = (one_minus_p == T(0)) ? c.exp_neg : lo;
 }
 
-// A function the GPU kernels call out of line: code for rare elements, kept out of the element loop (its
-// instructions and its registers). On the host a plain inline function.
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define BANDPO_HD_COLD __host__ __device__ __noinline__
-#else
-#define BANDPO_HD_COLD inline
-#endif
-
 template <typename T>
 struct KlBounds {
   T lo, up;
@@ -325,7 +317,7 @@ BANDPO_HD void kl_finish_branched(T p, T one_minus_p, T t, T q_tab, T kappa, T d
 
 // ---- closed forms (tv, chi2, hellinger) -----------------------------------------------------------------
 // Evaluated directly in the arithmetic type T: float for float32 p (and the 16-bit types), double for float64.
-// The CPU loop (csrc/cpu/closed_form_cpu.h) and the GPU kernels (band_element.h closed_form) share this code.
+// The CPU loop (csrc/cpu/simd/closed_form_cpu.h) and the GPU kernels (band_element.h closed_form) share this code.
 //
 // Saturation: the exact tests p·f(1/p) + (1-p)·f(0) ≤ δ (upper) and p·f(0) + (1-p)·f(1/(1-p)) ≤ δ (lower),
 // written out per divergence. tv and chi2 take the upper one as a minimum (1 + δ/p ≥ 1/p exactly when

@@ -11,15 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
-// Everything is force-inlined: the CPU loops only vectorise when no call remains in their body.
-// __HIPCC__: the same host-device functions under hipcc (ROCm).
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define BANDPO_HD __host__ __device__ __forceinline__
-#elif defined(__GNUC__)
-#define BANDPO_HD inline __attribute__((always_inline))
-#else
-#define BANDPO_HD inline
-#endif
+#include "macros.h"  // BANDPO_HD: force-inlined, host and device
 
 namespace bandpo {
 

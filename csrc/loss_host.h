@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <limits>
+#include <tuple>
 
 #include "band_host.h"
 #include "loss_element.h"
@@ -132,6 +133,56 @@ inline void check_grad_inputs(const char* op, const at::Tensor& grad_loss, const
   TORCH_CHECK(row_scale.dim() == 1 && row_scale.size(0) == lp.size(0) && row_scale.scalar_type() == at::kDouble &&
                   row_scale.device() == lp.device(),
               op, ": row_scale must be the forward's float64 (batch,) tensor");
+}
+
+// The two loss ops' entry points, written once for every backend: the schema's arguments (csrc/ops.cpp) checked
+// and named (LossSettings), then handed to the backend. A backend is a struct with
+//   static <RAII guard> device_guard(const at::Tensor& lp);   // CUDA: the device guard; CPU: nothing to guard
+//   static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const LossTensors&, const LossSettings&,
+//                                                                 LossParams);
+//   static at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& row_scale, const LossTensors&,
+//                              const LossSettings&, LossParams);
+// and registers loss_fwd_entry<Backend> / loss_bwd_entry<Backend> (csrc/cpu/loss_cpu.cpp, csrc/cuda/loss_cuda.cu).
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_entry(
+    const at::Tensor& lp, const at::Tensor& olp, const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
+    const c10::optional<at::Tensor>& delta, double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid,
+    int64_t divergence, int64_t clip_kind, double eps_low, double eps_high, double max_ratio, double dual_clip,
+    int64_t mode, int64_t agg) {
+  [[maybe_unused]] const auto guard = Backend::device_guard(lp);
+  const LossTensors inputs = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta);
+  const LossSettings settings{.divergence = divergence,
+                              .clip_kind = clip_kind,
+                              .eps_low = eps_low,
+                              .eps_high = eps_high,
+                              .max_ratio = max_ratio,
+                              .dual_clip = dual_clip,
+                              .mode = mode,
+                              .agg = agg,
+                              .delta_scalar = delta_scalar};
+  return Backend::forward(inputs, settings, make_loss_params(table, grid, settings, inputs));
+}
+
+template <typename Backend>
+at::Tensor loss_bwd_entry(const at::Tensor& grad_loss, const at::Tensor& row_scale, const at::Tensor& lp,
+                          const at::Tensor& olp, const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
+                          const c10::optional<at::Tensor>& delta, double delta_scalar, const at::Tensor& table,
+                          c10::ArrayRef<double> grid, int64_t divergence, int64_t clip_kind, double eps_low,
+                          double eps_high, double max_ratio, double dual_clip, int64_t mode) {
+  [[maybe_unused]] const auto guard = Backend::device_guard(lp);
+  const LossTensors inputs = check_loss_inputs("policy_loss_bwd", lp, olp, adv, mask, delta);
+  check_grad_inputs("policy_loss_bwd", grad_loss, row_scale, lp);
+  // The aggregation is folded into row_scale: the backward's LossParams never read `agg`.
+  const LossSettings settings{.divergence = divergence,
+                              .clip_kind = clip_kind,
+                              .eps_low = eps_low,
+                              .eps_high = eps_high,
+                              .max_ratio = max_ratio,
+                              .dual_clip = dual_clip,
+                              .mode = mode,
+                              .agg = static_cast<int64_t>(AggKind::kTokenSum),
+                              .delta_scalar = delta_scalar};
+  return Backend::backward(grad_loss, row_scale, inputs, settings, make_loss_params(table, grid, settings, inputs));
 }
 
 }  // namespace bandpo

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Where the CPU band's time goes: ns per element of each piece of the fused KL kernel (csrc/cpu/kl_simd_body.inc),
+"""Where the CPU band's time goes: ns per element of each piece of the fused KL kernel (csrc/cpu/simd/kl_simd_body.inc),
 for the AVX-512 and AVX2 variants this CPU runs, and of the work around it (output allocation, the parallel split).
 
 The kernel's pieces are timed by a small C++ program compiled here from the repository's own headers
@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 PROGRAM = r"""
-#include "cpu/kl_simd.h"
+#include "cpu/simd/kl_simd.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdio>

@@ -2,9 +2,10 @@
 //
 // TensorIterator handles broadcasting, strides and the parallel split (at::parallel_for underneath). Contiguous
 // float32 runs (and every other run, gathered block by block into float32 buffers) go to f32_contiguous: KL with a
-// scalar δ to the fused SIMD kernel (csrc/cpu/kl_simd.h; AVX-512 or AVX2), everything else to branch-free blocked
+// scalar δ to the fused SIMD kernel (csrc/cpu/simd/kl_simd.h; AVX-512 or AVX2), everything else to branch-free blocked
 // loops that GCC vectorises, compiled for x86-64-v4, x86-64-v3 and the baseline ISA. The variant is chosen at run
-// time (csrc/cpu/cpu_variant.h). float64 runs the same per-element code in a plain strided loop.
+// time by the one CPU dispatcher (csrc/cpu/cpu_variant.h). float64 runs the same per-element code in a plain
+// strided loop, one implementation for every variant (compiled for the baseline ISA).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -22,9 +23,9 @@
 #include "band_host.h"
 #include "cpu/band_cpu.h"
 #include "cpu/cpu_variant.h"
-#include "cpu/kl_simd.h"
-#include "cpu/closed_form_cpu.h"
-#include "cpu/table_gather.h"
+#include "cpu/simd/kl_simd.h"
+#include "cpu/simd/closed_form_cpu.h"
+#include "cpu/simd/table_gather.h"
 
 namespace bandpo {
 
@@ -151,10 +152,8 @@ BANDPO_INLINE void f32_run_div(const FastRun& run) {
   }
 }
 
-// The loops compiled three times, for x86-64-v4 (AVX-512), x86-64-v3 (AVX2+FMA) and the baseline ISA; the
-// flags pick a fully specialised, inlined loop. On GCC/x86-64 the variant is chosen at run time
-// (cpu_variant.h); elsewhere only the baseline exists.
-BANDPO_INLINE void f32_contiguous_body(const FastRun& run, bool log_input, bool clip, bool token) {
+// Every combination of the flags, one fully specialised, inlined loop each.
+BANDPO_INLINE void f32_contiguous_loops(const FastRun& run, bool log_input, bool clip, bool token) {
   const int combo = (log_input ? 4 : 0) | (clip ? 2 : 0) | (token ? 1 : 0);
   switch (combo) {
     case 0:
@@ -185,24 +184,8 @@ BANDPO_INLINE void f32_contiguous_body(const FastRun& run, bool log_input, bool 
 }
 
 #if defined(BANDPO_HAVE_KL_SIMD)
-__attribute__((target("arch=x86-64-v4"))) void f32_contiguous_v4(const FastRun& run, bool log_input, bool clip,
-                                                                 bool token) {
-  f32_contiguous_body(run, log_input, clip, token);
-}
-__attribute__((target("arch=x86-64-v3"))) void f32_contiguous_v3(const FastRun& run, bool log_input, bool clip,
-                                                                 bool token) {
-  f32_contiguous_body(run, log_input, clip, token);
-}
-#endif
-void f32_contiguous_baseline(const FastRun& run, bool log_input, bool clip, bool token) {
-  f32_contiguous_body(run, log_input, clip, token);
-}
-
-}  // namespace
-
-#if defined(BANDPO_HAVE_KL_SIMD)
 // The narrow cells and their grid, for the AVX2 kernel.
-static avx2::V::Tables narrow_cells(const BandParams& band) {
+avx2::V::Tables narrow_cells(const BandParams& band) {
   const TableView& tb = band.table;
   return {band.cell_f,
           static_cast<float>(tb.t_min),
@@ -213,28 +196,30 @@ static avx2::V::Tables narrow_cells(const BandParams& band) {
 }
 #endif
 
-void f32_contiguous(const FastRun& run, bool log_input, bool clip, bool token) {
+// One variant's code for a run: KL with a scalar δ goes to the variant's intrinsics kernel where it has one
+// (AVX-512: when the wide-cell fit exists; AVX2: the narrow cells), everything else to the blocked loops,
+// compiled for the variant's ISA (BANDPO_CPU_VARIANTS).
+template <CpuVariant V>
+BANDPO_INLINE void f32_contiguous_body(const FastRun& run, bool log_input, bool clip, bool token) {
 #if defined(BANDPO_HAVE_KL_SIMD)
-  switch (cpu_variant()) {
-    case CpuVariant::kAvx512:
-      if (run.band->wide != nullptr && !token && run.band->divergence == Divergence::kKL) {
-        avx512::kl_scalar(run, *run.band->wide, log_input, clip);
-      } else {
-        f32_contiguous_v4(run, log_input, clip, token);
-      }
-      return;
-    case CpuVariant::kAvx2:
-      if (run.band->cell_f != nullptr && !token && run.band->divergence == Divergence::kKL) {
-        avx2::kl_scalar(run, narrow_cells(*run.band), log_input, clip);
-      } else {
-        f32_contiguous_v3(run, log_input, clip, token);
-      }
-      return;
-    case CpuVariant::kBaseline:
-      break;
+  const bool kl_scalar = !token && run.band->divergence == Divergence::kKL;
+  if constexpr (V == CpuVariant::kAvx512) {
+    if (kl_scalar && run.band->wide != nullptr) return avx512::kl_scalar(run, *run.band->wide, log_input, clip);
+  }
+  if constexpr (V == CpuVariant::kAvx2) {
+    if (kl_scalar && run.band->cell_f != nullptr) return avx2::kl_scalar(run, narrow_cells(*run.band), log_input, clip);
   }
 #endif
-  f32_contiguous_baseline(run, log_input, clip, token);
+  f32_contiguous_loops(run, log_input, clip, token);
+}
+
+BANDPO_CPU_VARIANTS(void, f32_contiguous, (const FastRun& run, bool log_input, bool clip, bool token),
+                    f32_contiguous_body, (run, log_input, clip, token))
+
+}  // namespace
+
+void f32_contiguous(const FastRun& run, bool log_input, bool clip, bool token) {
+  pick(f32_contiguous_variants)(run, log_input, clip, token);
 }
 
 namespace {
@@ -354,6 +339,7 @@ BandParams params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid
 std::tuple<at::Tensor, at::Tensor> bounds_cpu(const at::Tensor& prob, const c10::optional<at::Tensor>& delta,
                                               double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid,
                                               int64_t divergence, bool log_input, double max_ratio) {
+  cpu_variant();  // an invalid BANDPO_LUT_CPU_VARIANT raises here, on the calling thread, for every dtype
   BandIter it = make_band_iter("bounds", nullptr, prob, delta, table, grid, divergence, max_ratio);
   const DeltaArg d = resolve_delta(delta, delta_scalar, grid);
   std::shared_ptr<const CellPolys> keep;
@@ -371,6 +357,7 @@ std::tuple<at::Tensor, at::Tensor> bounds_cpu(const at::Tensor& prob, const c10:
 at::Tensor clip_cpu(const at::Tensor& ratio, const at::Tensor& prob, const c10::optional<at::Tensor>& delta,
                     double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
                     bool log_input, double max_ratio) {
+  cpu_variant();  // an invalid BANDPO_LUT_CPU_VARIANT raises here, on the calling thread, for every dtype
   BandIter it = make_band_iter("clip", &ratio, prob, delta, table, grid, divergence, max_ratio);
   const DeltaArg d = resolve_delta(delta, delta_scalar, grid);
   std::shared_ptr<const CellPolys> keep;

@@ -6,18 +6,8 @@
 #include <vector>
 
 #include "bandpo_math.h"
-#include "cpu/wide_cells.h"
-
-// Function multi-versioning: AVX-512 (x86-64-v4), AVX2+FMA (x86-64-v3) and baseline clones, picked at load
-// time. The AVX-512 clone, with -mprefer-vector-width=512 (setup.py), runs the vector passes 16 lanes wide:
-// measured 1.6x faster than the AVX2 one for the KL clip (2 threads, 24.3 -> 15.0 ms) on this project's Xeon.
-// Everything a cloned function calls must be inlined into it (BANDPO_HD, BANDPO_INLINE).
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define BANDPO_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define BANDPO_CPU_CLONES
-#endif
-#define BANDPO_INLINE __attribute__((always_inline)) inline
+#include "macros.h"
+#include "cpu/simd/wide_cells.h"
 
 namespace bandpo {
 
@@ -58,7 +48,7 @@ BANDPO_INLINE void store(const FastRun& run, int64_t i, float l, float u, float 
 // Blocks of kBlock elements; the vectorised passes keep their temporaries on the stack.
 constexpr int kBlock = 256;
 
-// Any divergence, either δ mode, from p or log p; the variant for this CPU (cpu_variant.h).
+// Any divergence, either δ mode, from p or log p; the code of the variant cpu_variant() picks (cpu_variant.h).
 void f32_contiguous(const FastRun& run, bool log_input, bool clip, bool token);
 
 }  // namespace bandpo

@@ -1,6 +1,16 @@
-// Which CPU kernel variant runs: picked once per process from the CPU's vector ISA, or forced with the
-// environment variable BANDPO_LUT_CPU_VARIANT (avx512, avx2 or baseline) to measure a slower machine's path
-// on a faster one. A figure in the benchmark names the variant it measured (`bandpo-lut bench` prints it).
+// The one CPU dispatcher: which kernel variant runs, and how every CPU kernel (the band's blocked loops, the
+// closed forms, the fused KL kernel, the loss's token pass) gets its per-ISA code.
+//
+// The choice: made once per process from the CPU's vector ISA, or forced with the environment variable
+// BANDPO_LUT_CPU_VARIANT (auto, avx512, avx2 or baseline) to measure a slower machine's path on a faster one.
+// A figure in the benchmark names the variant it measured (`bandpo-lut bench` prints it). An invalid setting
+// is an error (ValueError in Python) at every op that reads it: the ops call cpu_variant() on the calling
+// thread, before any parallel region, so the error is raised, never thrown where nothing catches it.
+//
+// The mechanism: a kernel's entry points are compiled once per variant (BANDPO_CPU_VARIANTS, csrc/macros.h, or, for the
+// intrinsics kernel, a body compiled under each variant's target pragma, cpu/simd/kl_simd.h) and put in a
+// PerVariant table; pick() returns the entry for cpu_variant(). Forcing a variant therefore steers every kernel.
+// float64 has one implementation (the per-element code, compiled for the baseline ISA): nothing to steer.
 #pragma once
 
 #include <c10/util/Exception.h>
@@ -8,6 +18,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+
+#include "macros.h"
 
 namespace bandpo {
 
@@ -37,28 +49,41 @@ inline CpuVariant cpu_variant_supported() {
   return CpuVariant::kBaseline;
 }
 
-// Runs at import (csrc/facts.h): each message is one C string, which TORCH_CHECK passes on as it is; several
+// The variable's accepted values on this CPU, for the error messages: auto, then the variants up to the best.
+inline std::string cpu_variants_accepted() {
+  std::string s = "auto";
+  for (int v = 0; v <= static_cast<int>(cpu_variant_supported()); ++v) {
+    s += ", ";
+    s += cpu_variant_name(static_cast<CpuVariant>(v));
+  }
+  return s;
+}
+
+// The variant the environment asks for, or ValueError naming the variable, the value and the accepted values.
+// May run at import (csrc/facts.h): each message is one C string, which TORCH_CHECK passes on as it is; several
 // arguments (or one std::string: c10::str's specialisation misses it) it formats with an ostringstream, the
-// iostream code that a statically linked libstdc++ crashed in (issue 26).
+// iostream code that a statically linked libstdc++ crashed in.
 inline CpuVariant cpu_variant_from_env() {
   const CpuVariant best = cpu_variant_supported();
   const char* env = std::getenv("BANDPO_LUT_CPU_VARIANT");
   if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return best;
   for (CpuVariant v : {CpuVariant::kBaseline, CpuVariant::kAvx2, CpuVariant::kAvx512}) {
     if (std::strcmp(env, cpu_variant_name(v)) != 0) continue;
-    TORCH_CHECK(static_cast<int>(v) <= static_cast<int>(best),
-                (std::string("bandpo_lut: environment variable BANDPO_LUT_CPU_VARIANT=") + env +
-                 " asks for a kernel this CPU cannot run (it supports up to " + cpu_variant_name(best) + ")")
-                    .c_str());
+    TORCH_CHECK_VALUE(static_cast<int>(v) <= static_cast<int>(best),
+                      (std::string("bandpo_lut: environment variable BANDPO_LUT_CPU_VARIANT='") + env +
+                       "' asks for a kernel this CPU cannot run; accepted here: " + cpu_variants_accepted())
+                          .c_str());
     return v;
   }
-  TORCH_CHECK(false, (std::string("bandpo_lut: environment variable BANDPO_LUT_CPU_VARIANT=") + env +
-                      " is not one of auto, avx512, avx2, baseline")
-                         .c_str());
+  TORCH_CHECK_VALUE(false, (std::string("bandpo_lut: environment variable BANDPO_LUT_CPU_VARIANT='") + env +
+                            "' is not a CPU kernel variant; accepted: auto, avx512, avx2, baseline (this CPU: " +
+                            cpu_variants_accepted() + ")")
+                               .c_str());
   return best;
 }
 
-// Read once; an invalid setting raises at every use (so it is never silently ignored).
+// Read once; an invalid setting raises at every call (so it is never silently ignored). Each CPU op calls this
+// first, on the calling thread (see the file comment).
 inline CpuVariant cpu_variant() {
   static const int v = [] {
     try {
@@ -69,6 +94,25 @@ inline CpuVariant cpu_variant() {
   }();
   if (v < 0) cpu_variant_from_env();  // raises the message
   return static_cast<CpuVariant>(v);
+}
+
+// A kernel's entry point per variant; pick() is the one place a variant's code is chosen.
+template <typename Fn>
+struct PerVariant {
+  Fn baseline, avx2, avx512;
+};
+
+template <typename Fn>
+Fn pick(const PerVariant<Fn>& fns) {
+  switch (cpu_variant()) {  // exhaustive (-Werror=switch)
+    case CpuVariant::kAvx512:
+      return fns.avx512;
+    case CpuVariant::kAvx2:
+      return fns.avx2;
+    case CpuVariant::kBaseline:
+      return fns.baseline;
+  }
+  return fns.baseline;
 }
 
 }  // namespace bandpo

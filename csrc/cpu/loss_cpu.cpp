@@ -17,6 +17,7 @@
 
 #include "band_host.h"
 #include "cpu/band_cpu.h"
+#include "cpu/cpu_variant.h"
 #include "loss_host.h"
 
 namespace bandpo {
@@ -141,9 +142,11 @@ BANDPO_INLINE void row_f32_impl(const LossParams& params, const LossInputs<float
   }
 }
 
-// One row, forward (totals[kSums] += its sums) or backward (grad_row = g · ∂(Σ w·loss)/∂log_prob).
-BANDPO_CPU_CLONES void row_f32(const LossParams& params, const LossInputs<float>& in, int64_t n, double* totals,
-                               float g, float* grad_row, bool forward) {
+// One row, forward (totals[kSums] += its sums) or backward (grad_row = g · ∂(Σ w·loss)/∂log_prob), compiled per
+// CPU variant (BANDPO_CPU_VARIANTS): the token pass runs the variant the band runs (cpu_variant.h).
+template <CpuVariant>
+BANDPO_INLINE void row_f32_body(const LossParams& params, const LossInputs<float>& in, int64_t n, double* totals,
+                                float g, float* grad_row, bool forward) {
   switch (params.mask_kind) {
     case MaskKind::kBytes:
       return forward ? row_f32_impl<MaskKind::kBytes, true>(params, in, n, totals, g, grad_row)
@@ -157,6 +160,11 @@ BANDPO_CPU_CLONES void row_f32(const LossParams& params, const LossInputs<float>
   }
 }
 
+BANDPO_CPU_VARIANTS(void, row_f32,
+                    (const LossParams& params, const LossInputs<float>& in, int64_t n, double* totals, float g,
+                     float* grad_row, bool forward),
+                    row_f32_body, (params, in, n, totals, g, grad_row, forward))
+
 // The float32 rows take row_f32; other dtypes the generic per-element loops (returns false).
 template <typename scalar_t>
 inline bool fast_row(const LossParams&, const LossInputs<scalar_t>&, int64_t, double*, float, scalar_t*, bool) {
@@ -165,21 +173,18 @@ inline bool fast_row(const LossParams&, const LossInputs<scalar_t>&, int64_t, do
 template <>
 inline bool fast_row<float>(const LossParams& params, const LossInputs<float>& in, int64_t n, double* totals, float g,
                             float* grad_row, bool forward) {
-  row_f32(params, in, n, totals, g, grad_row, forward);
+  pick(row_f32_variants)(params, in, n, totals, g, grad_row, forward);
   return true;
 }
 
-// The loss parameters, with the scalar-δ KL cell cubics (kept alive by `keep`) when the band needs them.
-LossParams loss_params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid, const LossSettings& settings,
-                                  const LossTensors& inputs, std::shared_ptr<const CellPolys>& keep) {
-  LossParams params = make_loss_params(table, grid, settings, inputs);
+// The scalar-δ KL cell cubics (kept alive by `keep`) into the parameters, when the band needs them.
+void attach_cells(LossParams& params, std::shared_ptr<const CellPolys>& keep) {
   if (params.clip_kind == ClipKind::kBand && reads_table(params.band.divergence) && !params.per_token_delta) {
     keep = cell_polys(params.band);
     params.band.cell_f = keep->f.data();
     params.band.cell_d = keep->d.data();
     params.band.wide = keep->wide.get();
   }
-  return params;
 }
 
 // One row's Σ w·loss, Σ w and counts (totals[kSums], zeroed by the caller), the generic per-element loop.
@@ -204,23 +209,13 @@ void row_sums_generic(const LossParams& params, const DeltaConsts<acc_t>& c, con
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cpu(
-    const at::Tensor& lp, const at::Tensor& olp, const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
-    const c10::optional<at::Tensor>& delta, double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid,
-    int64_t divergence, int64_t clip_kind, double eps_low, double eps_high, double max_ratio, double dual_clip,
-    int64_t mode, int64_t agg) {
-  const LossTensors inputs = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_forward(const LossTensors& inputs, const LossSettings& settings,
+                                                            LossParams params) {
+  cpu_variant();  // an invalid BANDPO_LUT_CPU_VARIANT raises here, on the calling thread, not in a worker
   std::shared_ptr<const CellPolys> keep;
-  const LossSettings settings{.divergence = divergence,
-                              .clip_kind = clip_kind,
-                              .eps_low = eps_low,
-                              .eps_high = eps_high,
-                              .max_ratio = max_ratio,
-                              .dual_clip = dual_clip,
-                              .mode = mode,
-                              .agg = agg,
-                              .delta_scalar = delta_scalar};
-  const LossParams params = loss_params_with_cells(table, grid, settings, inputs, keep);
+  attach_cells(params, keep);
+  const at::Tensor& lp = inputs.lp;
+  const double delta_scalar = settings.delta_scalar;
   const int64_t B = lp.size(0), n = lp.size(1);
   const int64_t chunks = (B + kRowsPerChunk - 1) / kRowsPerChunk;
   std::vector<double> row_s(B), row_w(B), chunk_counts(chunks * kNumCounts, 0.0);
@@ -255,27 +250,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cpu(
   return {out.loss, out.metrics, out.row_scale};
 }
 
-at::Tensor loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& row_scale, const at::Tensor& lp,
-                        const at::Tensor& olp, const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
-                        const c10::optional<at::Tensor>& delta, double delta_scalar, const at::Tensor& table,
-                        c10::ArrayRef<double> grid, int64_t divergence, int64_t clip_kind, double eps_low,
-                        double eps_high, double max_ratio, double dual_clip, int64_t mode) {
-  const LossTensors inputs = check_loss_inputs("policy_loss_bwd", lp, olp, adv, mask, delta);
-  check_grad_inputs("policy_loss_bwd", grad_loss, row_scale, lp);
+at::Tensor loss_backward(const at::Tensor& grad_loss, const at::Tensor& row_scale, const LossTensors& inputs,
+                         const LossSettings& settings, LossParams params) {
+  cpu_variant();  // an invalid BANDPO_LUT_CPU_VARIANT raises here, on the calling thread, not in a worker
   const double g = grad_loss.to(at::kDouble).item<double>();  // a CPU tensor: no synchronisation
   const at::Tensor scale = row_scale.contiguous();
   std::shared_ptr<const CellPolys> keep;
-  // The aggregation is folded into row_scale: the backward's LossParams never read `agg`.
-  const LossSettings settings{.divergence = divergence,
-                              .clip_kind = clip_kind,
-                              .eps_low = eps_low,
-                              .eps_high = eps_high,
-                              .max_ratio = max_ratio,
-                              .dual_clip = dual_clip,
-                              .mode = mode,
-                              .agg = static_cast<int64_t>(AggKind::kTokenSum),
-                              .delta_scalar = delta_scalar};
-  const LossParams params = loss_params_with_cells(table, grid, settings, inputs, keep);
+  attach_cells(params, keep);
+  const at::Tensor& lp = inputs.lp;
+  const double delta_scalar = settings.delta_scalar;
   const int64_t B = lp.size(0), n = lp.size(1);
   at::Tensor grad = at::empty(lp.sizes(), lp.options());  // dense row-major: the layout the loops write
   const double* S = scale.data_ptr<double>();
@@ -312,10 +295,24 @@ at::Tensor loss_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& row_scale
   return grad;
 }
 
+// The CPU backend of loss_fwd_entry / loss_bwd_entry (loss_host.h).
+struct CpuLoss {
+  struct NoGuard {};
+  static NoGuard device_guard(const at::Tensor&) { return {}; }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const LossTensors& inputs, const LossSettings& s,
+                                                                LossParams params) {
+    return loss_forward(inputs, s, params);
+  }
+  static at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& row_scale, const LossTensors& inputs,
+                             const LossSettings& s, LossParams params) {
+    return loss_backward(grad_loss, row_scale, inputs, s, params);
+  }
+};
+
 }  // namespace
 }  // namespace bandpo
 
 TORCH_LIBRARY_IMPL(bandpo_lut, CPU, m) {
-  m.impl("policy_loss_fwd", &bandpo::loss_fwd_cpu);
-  m.impl("policy_loss_bwd", &bandpo::loss_bwd_cpu);
+  m.impl("policy_loss_fwd", &bandpo::loss_fwd_entry<bandpo::CpuLoss>);
+  m.impl("policy_loss_bwd", &bandpo::loss_bwd_entry<bandpo::CpuLoss>);
 }

@@ -317,24 +317,9 @@ int launch_tokens_mask(const LossParams& params, const CellsPlan& plan, const Lo
                                                                stream);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_cuda(
-    const at::Tensor& lp, const at::Tensor& olp, const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
-    const c10::optional<at::Tensor>& delta, double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid,
-    int64_t divergence, int64_t clip_kind, double eps_low, double eps_high, double max_ratio, double dual_clip,
-    int64_t mode, int64_t agg) {
-  const c10::cuda::CUDAGuard guard(lp.device());
-  const LossTensors inputs = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta);
-  const LossParams params = make_loss_params(table, grid,
-                                             {.divergence = divergence,
-                                              .clip_kind = clip_kind,
-                                              .eps_low = eps_low,
-                                              .eps_high = eps_high,
-                                              .max_ratio = max_ratio,
-                                              .dual_clip = dual_clip,
-                                              .mode = mode,
-                                              .agg = agg,
-                                              .delta_scalar = delta_scalar},
-                                             inputs);
+// The forward on the device (loss_fwd_entry, loss_host.h, has checked the inputs and taken the device guard).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_forward(const LossTensors& inputs, const LossParams& params) {
+  const at::Tensor& lp = inputs.lp;
   const int device = lp.get_device();
   const Tiles tiles = make_tiles(lp.size(0), lp.size(1));
   LossOutputs out = empty_loss_outputs(lp);
@@ -411,28 +396,12 @@ void launch_grad(const LossParams& params, const CellsPlan& plan, const LossInpu
   }
 }
 
-at::Tensor loss_bwd_cuda(const at::Tensor& grad_loss, const at::Tensor& row_scale, const at::Tensor& lp,
-                         const at::Tensor& olp, const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
-                         const c10::optional<at::Tensor>& delta, double delta_scalar, const at::Tensor& table,
-                         c10::ArrayRef<double> grid, int64_t divergence, int64_t clip_kind, double eps_low,
-                         double eps_high, double max_ratio, double dual_clip, int64_t mode) {
-  const c10::cuda::CUDAGuard guard(lp.device());
-  const LossTensors inputs = check_loss_inputs("policy_loss_bwd", lp, olp, adv, mask, delta);
-  check_grad_inputs("policy_loss_bwd", grad_loss, row_scale, lp);
+// The backward on the device (after loss_bwd_entry's checks, under its device guard).
+at::Tensor loss_backward(const at::Tensor& grad_loss, const at::Tensor& row_scale, const LossTensors& inputs,
+                         const LossParams& params) {
+  const at::Tensor& lp = inputs.lp;
   const at::Tensor g = grad_loss.reshape({1}).to(at::kDouble);  // read on the device: no synchronisation
   const at::Tensor scale = row_scale.contiguous();
-  // The aggregation is folded into row_scale: the backward's LossParams never read `agg`.
-  const LossParams params = make_loss_params(table, grid,
-                                             {.divergence = divergence,
-                                              .clip_kind = clip_kind,
-                                              .eps_low = eps_low,
-                                              .eps_high = eps_high,
-                                              .max_ratio = max_ratio,
-                                              .dual_clip = dual_clip,
-                                              .mode = mode,
-                                              .agg = static_cast<int64_t>(AggKind::kTokenSum),
-                                              .delta_scalar = delta_scalar},
-                                             inputs);
   const int device = lp.get_device();
   const Tiles tiles = make_tiles(lp.size(0), lp.size(1));
   at::Tensor grad = at::empty(lp.sizes(), lp.options());  // dense row-major: the layout the kernel writes
@@ -454,10 +423,23 @@ at::Tensor loss_bwd_cuda(const at::Tensor& grad_loss, const at::Tensor& row_scal
   return grad;
 }
 
+// The CUDA backend of loss_fwd_entry / loss_bwd_entry (loss_host.h).
+struct CudaLoss {
+  static c10::cuda::CUDAGuard device_guard(const at::Tensor& lp) { return c10::cuda::CUDAGuard(lp.device()); }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const LossTensors& inputs, const LossSettings&,
+                                                                LossParams params) {
+    return loss_forward(inputs, params);
+  }
+  static at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& row_scale, const LossTensors& inputs,
+                             const LossSettings&, LossParams params) {
+    return loss_backward(grad_loss, row_scale, inputs, params);
+  }
+};
+
 }  // namespace
 }  // namespace bandpo
 
 TORCH_LIBRARY_IMPL(bandpo_lut, CUDA, m) {
-  m.impl("policy_loss_fwd", &bandpo::loss_fwd_cuda);
-  m.impl("policy_loss_bwd", &bandpo::loss_bwd_cuda);
+  m.impl("policy_loss_fwd", &bandpo::loss_fwd_entry<bandpo::CudaLoss>);
+  m.impl("policy_loss_bwd", &bandpo::loss_bwd_entry<bandpo::CudaLoss>);
 }

@@ -1,7 +1,9 @@
-"""Every CPU kernel variant this machine can run (csrc/cpu/cpu_variant.h: the fused AVX-512 wide-cell kernel for
-KL with a scalar δ, the x86-64-v3 and baseline loops), each forced in a fresh process with BANDPO_LUT_CPU_VARIANT:
-accurate against the float64 reference reader and mpmath, clip equal to clamp(bounds), the same bits for a token
-whatever its batch's layout, NaN in NaN out. And a variant the CPU cannot run, or a misspelt one, is refused."""
+"""Every CPU kernel variant this machine can run (csrc/cpu/cpu_variant.h, the one CPU dispatcher: the fused AVX-512
+wide-cell kernel for KL with a scalar δ, the x86-64-v3 and baseline loops, and the loss's token pass), each forced
+in a fresh process with BANDPO_LUT_CPU_VARIANT: the band accurate against the float64 reference reader and mpmath,
+clip equal to clamp(bounds), the same bits for a token whatever its batch's layout, NaN in NaN out; the fused loss
+(its float32 token pass) against the reference loss. A variant the CPU cannot run, or a misspelt one, is refused
+with a Python error at every op that reads the variable (float64 included), never an abort."""
 from __future__ import annotations
 
 import json
@@ -81,6 +83,94 @@ def test_each_variant_is_accurate_and_layout_exact(tmp_path, variant):
         assert eu <= 6e-7 and el <= 3e-7, (variant, key, eu, el)
     eu, el = out["mpmath"]
     assert eu <= 7e-7 and el <= 3e-7, (variant, eu, el)
+
+
+LOSS_CHECK = r"""
+import itertools
+import torch
+import bandpo_lut
+from bandpo_lut import _extension
+from bandpo_lut.reference import policy_loss as spec
+
+assert _extension.facts()["cpu"]["variant"] == VARIANT
+g = torch.Generator().manual_seed(5)
+B, T = 5, 601                                        # rows longer than one 256-token block, a partial last block
+old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 6
+old[0, :40] = -torch.rand(40, generator=g, dtype=torch.float64) * 1e-6
+new = old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.4
+adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+mask = torch.rand(B, T, generator=g) > 0.25
+mask[3] = False
+tok_delta = 0.01 + 0.3 * torch.rand(B, T, generator=g, dtype=torch.float64)
+cases = [dict(clip=c, mode=m, agg=a, dual_clip=d, max_ratio=10.0)
+         for c, m, a, d in itertools.product(spec.CLIPS, spec.MODES, spec.AGGS, (None, 3.0))]
+cases += [dict(delta=tok_delta), dict(divergence="tv"), dict(divergence="hellinger", delta=tok_delta)]
+for kw in cases:
+    for m in (mask, mask.float() * 0.5, None):
+        a = new.float().requires_grad_()
+        b = new.clone().requires_grad_()
+        kw32 = {k: (v.float() if torch.is_tensor(v) else v) for k, v in kw.items()}
+        loss, metrics = bandpo_lut.policy_loss(a, old.float(), adv.float(), m, **kw32)
+        ref, ref_metrics = spec.policy_loss(b, old, adv, None if m is None else m.double() if m.is_floating_point()
+                                            else m, **kw)
+        torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-7, msg=str(kw))
+        for k in ("n_clipped", "n_clipped_upper", "n_clipped_lower", "n_tokens"):
+            if k in ref_metrics:
+                assert abs(float(metrics[k]) - float(ref_metrics[k])) <= 2, (kw, k, metrics[k], ref_metrics[k])
+        ga, = torch.autograd.grad(loss, a)
+        gb, = torch.autograd.grad(ref, b)
+        torch.testing.assert_close(ga.double(), gb, rtol=1e-4, atol=1e-7, msg=str(kw))
+print("ok", len(cases))
+"""
+
+
+@pytest.mark.parametrize("variant", SUPPORTED)
+def test_each_variant_runs_the_loss_token_pass_accurately(tmp_path, variant):
+    # The loss's float32 token pass is compiled per variant like the band (BANDPO_CPU_VARIANTS): forcing a
+    # variant runs that variant's token loop, which is checked here against the reference loss.
+    env = fresh_env()
+    env["BANDPO_LUT_CPU_VARIANT"] = variant
+    proc = run_fresh(["-c", f"VARIANT = {variant!r}\n" + LOSS_CHECK], cwd=tmp_path, env=env, check=True)
+    assert proc.stdout.split()[0] == "ok", proc.stdout
+
+
+BAD_VARIABLE = r"""
+import torch
+import bandpo_lut
+lp = torch.randn(3, 40, dtype=DTYPE)
+p = torch.rand(40, dtype=DTYPE)
+calls = {
+    "bounds": lambda: bandpo_lut.bounds(p, 0.05),
+    "clip": lambda: bandpo_lut.clip(torch.ones_like(p), p, 0.05),
+    "bounds per-token delta": lambda: bandpo_lut.bounds(p, torch.full_like(p, 0.05)),
+    "bounds tv": lambda: bandpo_lut.bounds(p, 0.05, "tv"),
+    "policy_loss": lambda: bandpo_lut.policy_loss(lp, lp - 0.1, torch.randn_like(lp)),
+    "policy_loss fixed": lambda: bandpo_lut.policy_loss(lp, lp - 0.1, torch.randn_like(lp), clip="fixed"),
+}
+for name, call in calls.items():
+    try:
+        call()
+    except ValueError as e:
+        msg = str(e)
+        assert "BANDPO_LUT_CPU_VARIANT" in msg and repr(VALUE)[1:-1] in msg, (name, msg)
+        assert "auto" in msg and "baseline" in msg, (name, msg)
+    else:
+        raise SystemExit(f"{name}: no error for BANDPO_LUT_CPU_VARIANT={VALUE!r}")
+print("refused", len(calls))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_an_invalid_variant_is_a_python_error_at_every_op(tmp_path, dtype):
+    # Not an interpreter abort from the loss (the check runs on the calling thread before any parallel region),
+    # and not ignored by float64 (one implementation, but the variable is still checked).
+    unsupported = [v for v in ORDER if v not in SUPPORTED]
+    for value in ["avx1024", *unsupported]:
+        env = fresh_env()
+        env["BANDPO_LUT_CPU_VARIANT"] = value
+        code = f"DTYPE = __import__('torch').{dtype}\nVALUE = {value!r}\n" + BAD_VARIABLE
+        proc = run_fresh(["-c", code], cwd=tmp_path, env=env)
+        assert proc.returncode == 0 and "refused" in proc.stdout, (value, proc.returncode, proc.stderr[-2000:])
 
 
 def test_an_unknown_or_unsupported_variant_is_refused(tmp_path):

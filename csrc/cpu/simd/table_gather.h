@@ -11,9 +11,10 @@
 
 #include "bandpo_math.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#include "macros.h"  // BANDPO_HAVE_X86_GATHER
+
+#if defined(BANDPO_HAVE_X86_GATHER)
 #include <immintrin.h>
-#define BANDPO_HAVE_X86_GATHER 1
 #endif
 
 namespace bandpo {

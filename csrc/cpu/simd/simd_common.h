@@ -1,4 +1,4 @@
-// Constants and tables shared by the fused KL kernel's vector types (csrc/cpu/simd_avx512.h, simd_avx2.h).
+// Constants and tables shared by the fused KL kernel's vector types (csrc/cpu/simd/simd_avx512.h, simd_avx2.h).
 // Plain C++: compiled for every target; the vector code that uses it lives under per-ISA pragmas.
 #pragma once
 
@@ -9,13 +9,10 @@
 #include <limits>
 
 #include "bandpo_math.h"
+#include "macros.h"  // BANDPO_SIMD_INLINE
 #include "cpu/band_cpu.h"
-#include "cpu/table_gather.h"  // cubics_from_rows; included here, outside the per-ISA pragmas
-#include "cpu/wide_cells.h"
-
-// Everything in the vector types and the kernel body is force-inlined into the ISA's entry point, so that no
-// call crosses from code of one target to another.
-#define BANDPO_SIMD_INLINE inline __attribute__((always_inline))
+#include "cpu/simd/table_gather.h"  // cubics_from_rows; included here, outside the per-ISA pragmas
+#include "cpu/simd/wide_cells.h"
 
 namespace bandpo {
 

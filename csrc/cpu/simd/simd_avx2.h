@@ -1,10 +1,10 @@
-// The AVX2+FMA vector type of the fused KL kernel (csrc/cpu/kl_simd_body.inc): 8 float lanes, masks as lanes of
+// The AVX2+FMA vector type of the fused KL kernel (csrc/cpu/simd/kl_simd_body.inc): 8 float lanes, masks as lanes of
 // all ones, and the table read from the narrow cells (one 256-bit row of 8 coefficients per cell: 8 row loads and
 // an 8x8 transpose per vector; AVX2 has no permute wide enough for the wide cells, and its gathers are slower).
-// Compiled only under `#pragma GCC target("avx2,fma")` (csrc/cpu/kl_simd.h).
+// Compiled only under `#pragma GCC target("avx2,fma")` (csrc/cpu/simd/kl_simd.h).
 #pragma once
 
-#include "cpu/simd_common.h"
+#include "cpu/simd/simd_common.h"
 
 namespace bandpo {
 namespace avx2 {

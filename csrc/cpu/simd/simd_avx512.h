@@ -1,9 +1,9 @@
-// The AVX-512 vector type of the fused KL kernel (csrc/cpu/kl_simd_body.inc): 16 float lanes, mask registers,
-// and the table read from the 32 wide cells (csrc/cpu/wide_cells.h), one two-register permute (vpermt2ps) per
-// coefficient. Compiled only under `#pragma GCC target` for AVX-512 (csrc/cpu/kl_simd.h).
+// The AVX-512 vector type of the fused KL kernel (csrc/cpu/simd/kl_simd_body.inc): 16 float lanes, mask registers,
+// and the table read from the 32 wide cells (csrc/cpu/simd/wide_cells.h), one two-register permute (vpermt2ps) per
+// coefficient. Compiled only under `#pragma GCC target` for AVX-512 (csrc/cpu/simd/kl_simd.h).
 #pragma once
 
-#include "cpu/simd_common.h"
+#include "cpu/simd/simd_common.h"
 
 namespace bandpo {
 namespace avx512 {

@@ -1,33 +1,34 @@
-// The fused KL kernel (scalar δ, float32, contiguous runs): one body (csrc/cpu/kl_simd_body.inc) compiled for
+// The fused KL kernel (scalar δ, float32, contiguous runs): one body (csrc/cpu/simd/kl_simd_body.inc) compiled for
 // AVX-512 (16 lanes, wide cells read by register permutes) and for AVX2+FMA (8 lanes, narrow cells read as rows),
-// each under its own target pragma and namespace. band_cpu.cpp calls the entry point of the variant the CPU runs
-// (csrc/cpu/cpu_variant.h); the baseline ISA keeps the blocked loops.
+// each under its own target pragma and namespace. band_cpu.cpp's per-variant entry points (BANDPO_CPU_VARIANTS,
+// csrc/macros.h) call the kernel of their variant; the baseline ISA keeps the blocked loops.
 //
 // A token's bits do not depend on its position in the run: the last, partial vector runs the same code under a
 // lane mask.
 #pragma once
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define BANDPO_HAVE_KL_SIMD 1
+#include "macros.h"  // BANDPO_HAVE_KL_SIMD
 
-#include "cpu/simd_common.h"
+#if defined(BANDPO_HAVE_KL_SIMD)
+
+#include "cpu/simd/simd_common.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,bmi,bmi2")
-#include "cpu/simd_avx512.h"
+#include "cpu/simd/simd_avx512.h"
 namespace bandpo {
 namespace avx512 {
-#include "cpu/kl_simd_body.inc"
+#include "cpu/simd/kl_simd_body.inc"
 }  // namespace avx512
 }  // namespace bandpo
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,bmi,bmi2")
-#include "cpu/simd_avx2.h"
+#include "cpu/simd/simd_avx2.h"
 namespace bandpo {
 namespace avx2 {
-#include "cpu/kl_simd_body.inc"
+#include "cpu/simd/kl_simd_body.inc"
 }  // namespace avx2
 }  // namespace bandpo
 #pragma GCC pop_options
