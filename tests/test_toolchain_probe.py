@@ -58,6 +58,7 @@ def test_compiler_whose_shared_objects_crash_is_refused(tmp_path):
         not Path("/usr/bin/g++").is_file()
 
 
+@pytest.mark.slow
 def test_compiler_linking_libstdcxx_statically_is_refused(tmp_path):
     cxx = wrapper(tmp_path, "static-g++", "-static-libstdc++")
     # Here (GCC 12) such a probe loads but its ostringstream writes nothing next to torch's libstdc++: refused by
@@ -78,6 +79,7 @@ def test_skip_variable_skips_the_probe(tmp_path):
     assert "skipped" in probe(cxx, **{SKIP_VAR: "1"})
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_setup_py_refuses_before_compiling(tmp_path):
     """What a user sees: setup.py stops with the probe's message, before any source is compiled."""
