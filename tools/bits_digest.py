@@ -30,7 +30,7 @@ CHILD = r"""
 import hashlib, json, sys
 import torch
 import bandpo_lut
-from bandpo_lut import _extension
+from bandpo_lut.runtime import _extension
 
 torch.set_num_threads(1)
 lines = []

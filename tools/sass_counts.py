@@ -97,13 +97,16 @@ def compile_flags(nvcc: Path, arch: str) -> list[str]:
     if torch.version.cuda is None:
         fail(f"torch {torch.__version__} is a CPU-only build; its headers lack the CUDA parts the kernels include")
     includes = [f"-I{ROOT / 'csrc'}"] + [f"-I{p}" for p in cpp_extension.include_paths(device_type="cuda")]
-    # Headers torch's CUDA headers need but a minimal toolkit lacks (setup.py: supplementary_cuda_includes).
-    sys.path.insert(0, str(ROOT))
-    import setup as project_setup
+    # Headers torch's CUDA headers need but a minimal toolkit lacks, and the extension's nvcc flags: what setup.py
+    # takes from tools/setup_helpers.
+    sys.path.insert(0, str(ROOT / "tools"))
+    from setup_helpers.common import major_of
+    from setup_helpers.cuda import supplementary_cuda_includes
+    from setup_helpers.flags import extension_flags
 
-    major = project_setup.major_of(torch.version.cuda)
-    includes += [f"-I{p}" for p in project_setup.supplementary_cuda_includes(nvcc.parent.parent, major)]
-    return ["-cubin", f"-arch=sm_{arch}", "-O3", "-lineinfo", "-DBANDPO_WITH_CUDA=1", "-std=c++20",
+    includes += [f"-I{p}" for p in supplementary_cuda_includes(nvcc.parent.parent, major_of(torch.version.cuda))]
+    _, nvcc_flags, _ = extension_flags(True, "", sys.platform)
+    return ["-cubin", f"-arch=sm_{arch}", *nvcc_flags, "-std=c++20",
             "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             *cpp_extension.COMMON_NVCC_FLAGS, *includes]

@@ -89,7 +89,7 @@ LOSS_CHECK = r"""
 import itertools
 import torch
 import bandpo_lut
-from bandpo_lut import _extension
+from bandpo_lut.runtime import _extension
 from bandpo_lut.reference import policy_loss as spec
 
 assert _extension.facts()["cpu"]["variant"] == VARIANT
