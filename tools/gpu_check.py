@@ -8,7 +8,7 @@ From the repository root it does what only a GPU machine can, and runs the test 
   1. builds and installs the extension for the local GPU only (TORCH_CUDA_ARCH_LIST from the device), once per
      compiler of --compilers (default `system,default`: CXX=/usr/bin/g++ CC=/usr/bin/gcc when that is not the
      default compiler already, then the environment's own CXX or `c++`), and imports each build in a fresh process
-     (issue 26: a GCC that links libstdc++ statically made `import bandpo_lut` segfault); the last build (the
+     (a GCC that links libstdc++ statically made `import bandpo_lut` segfault); the last build (the
      default compiler's, what a user's `pip install` gets) stays installed for the steps below,
   2. prints ptxas register, spill and shared-memory figures of every kernel (nvcc -Xptxas -v per .cu file),
   3. runs the CUDA tests, `pytest -m cuda tests` (with --quick: `-m "cuda and not slow"`), in a fresh process that
@@ -178,7 +178,7 @@ def build(arch: str, name: str, env: dict) -> bool:
     return report(f"build with the {name} compiler", rc == 0, f"{time.time() - t0:.0f} s")
 
 
-# The import a user does first, in a fresh process, then one op on the CPU and the facts (what crashed in issue 26).
+# The import a user does first, in a fresh process, then one op on the CPU and the facts (what once crashed with a statically linked libstdc++).
 IMPORT_CHECK = """
 import json, pathlib, torch, bandpo_lut
 from bandpo_lut.runtime import _extension

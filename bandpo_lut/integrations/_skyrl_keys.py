@@ -1,6 +1,6 @@
 """The band settings of SkyRL's ``trainer.algorithm`` section, shared by the skyrl-train 0.3 and skyrl 0.4
 plug-ins: their names and defaults (the paper's), their validation, and the two ways a setting can be silently
-ignored that both refuse (issue 28.5): a misspelt ``band_*`` key, and ``band_*`` settings while
+ignored that both refuse: a misspelt ``band_*`` key, and ``band_*`` settings while
 ``policy_loss_type`` is not ``bandpo`` (SkyRL then trains its own loss, which reads none of them)."""
 from __future__ import annotations
 

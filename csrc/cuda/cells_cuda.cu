@@ -52,7 +52,7 @@ struct Entry {
 };
 
 // (table coefficients, device, δ, double cells, the table's geometry: nt, ns, t_min, t_step, s_min, s_step). The
-// geometry guards against a table freed and another allocated at its address (issue 26: then the cached cells
+// geometry guards against a table freed and another allocated at its address (then the cached cells
 // are another table's, of another length).
 using Key = std::tuple<const float*, int, double, bool, int, int, double, double, double, double>;
 

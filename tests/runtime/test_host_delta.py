@@ -1,4 +1,4 @@
-"""A 0-dim CPU δ next to tensors on any device (issue 26): what torch's own ops accept, and the documented way to
+"""A 0-dim CPU δ next to tensors on any device: what torch's own ops accept, and the documented way to
 schedule δ under torch.compile. The kernels read it on the host (no device synchronisation), so every entry point
 takes it with p / log-probabilities on any device: `bounds`, `clip`, `policy_loss`, `BandPolicyLoss` and
 `fused_linear_policy_loss`. It gives the bits of the same Python float δ; on the CPU both are compared with the

@@ -1,4 +1,4 @@
-"""What runs when `bandpo_lut._C` is imported, whatever the toolchain (issue 26).
+"""What runs when `bandpo_lut._C` is imported, whatever the toolchain.
 
 A GCC that links libstdc++ statically into `_C.so` (the GPU image's /opt/gcc) gives the library its own copy of
 the iostream/locale machinery next to the libstdc++.so.6 that libtorch loads; the first ostream write in

@@ -69,7 +69,7 @@ def test_dense_tables(device, factor, dtype):
 
 def test_a_table_at_a_reused_address_gets_its_own_cells(device):
     """The scalar-δ cell cubics are cached per table; a table freed and another allocated at its address must not
-    get the first one's cells (issue 26: test_dense_tables' per-call `table.cpu()` copies landed at one address, and
+    get the first one's cells (as test_dense_tables' per-call `table.cpu()` copies landed at one address, and
     the CPU reference read the x4 table's cells, a quarter as many, for the x16 table: NaN and garbage bounds where
     the GPU was right). Here both tables are views of one buffer, so they share their address for certain."""
     small, grid_small = dense_kl_table(1, device)
