@@ -178,7 +178,8 @@ def build(arch: str, name: str, env: dict) -> bool:
     return report(f"build with the {name} compiler", rc == 0, f"{time.time() - t0:.0f} s")
 
 
-# The import a user does first, in a fresh process, then one op on the CPU and the facts (what once crashed with a statically linked libstdc++).
+# The import a user does first, in a fresh process, then one op on the CPU and the facts (what once crashed
+# with a statically linked libstdc++).
 IMPORT_CHECK = """
 import json, pathlib, torch, bandpo_lut
 from bandpo_lut.runtime import _extension
