@@ -63,41 +63,8 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
         eps_low=eps_low, eps_high=eps_high), "policy_loss")
     lp, olp, adv, mask, delta_t, op_settings = op_inputs(log_prob, old_log_prob, advantages, mask, settings)
     args = (lp, olp, adv, mask, delta_t, *op_settings, _spec.AGG_ID[settings.agg])
-    ops = _cache.compiled_ops()
-    plain_eager_grad = (torch.is_grad_enabled() and lp.requires_grad and not torch.compiler.is_compiling()
-                        and not torch.jit.is_tracing() and ops._registered_op_suffices())
-    loss, metrics, _ = _EagerLoss.apply(*args) if plain_eager_grad else ops.policy_loss_fwd(*args)
+    loss, metrics, _ = _cache.compiled_ops().policy_loss_fwd(*args)   # the one place a route is chosen
     return loss, dict(zip(_spec.METRICS, metrics.unbind()))
-
-
-class _EagerLoss(torch.autograd.Function):
-    """The op with its backward, in plain eager code with a gradient to take (not traced, no torch.func
-    transform or forward-mode level: those take `_ops.policy_loss_fwd`'s routes). Same kernels and saved
-    tensors as the op's registered autograd, without the ~0.1-0.2 ms per call that torch.library's Python
-    wrapper spends re-binding the schema."""
-
-    @staticmethod
-    def forward(ctx, lp, olp, adv, mask, delta_t, *settings_and_agg):
-        loss, metrics, row_scale = _cache.compiled_ops().ops.policy_loss_fwd(lp, olp, adv, mask, delta_t,
-                                                                             *settings_and_agg)
-        ctx.save_for_backward(lp, olp, adv, mask, delta_t, row_scale)
-        ctx.settings = settings_and_agg[:-1]   # the backward takes every setting but agg (folded into row_scale)
-        ctx.mark_non_differentiable(metrics, row_scale)
-        ctx.set_materialize_grads(False)
-        return loss, metrics, row_scale
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_metrics, grad_row_scale):
-        grad = None
-        if ctx.needs_input_grad[0] and grad_loss is not None:
-            lp, olp, adv, mask, delta_t, row_scale = ctx.saved_tensors
-            args = (grad_loss, row_scale, lp, olp, adv, mask, delta_t, *ctx.settings)
-            ops = _cache.compiled_ops()
-            # create_graph=True (grad mode on here): a second derivative must raise, not be a silent zero.
-            second_order = torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            grad = (ops._LossBackward.apply(*ops._wrap(args)) if second_order
-                    else ops.ops.policy_loss_bwd(*args))
-        return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
 def op_inputs(log_prob, old_log_prob, advantages, mask, settings: _settings.LossSettings):

@@ -194,9 +194,9 @@ def test_production_code_does_not_import_the_oracle():
     offenders = []
     for path in ROOT.rglob("*.py"):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith("reference/") or rel == "verify.py":
-            continue   # the oracle itself, and the tool that compares tables against it (generate's accuracy
-            # stamp is verify's measurement)
+        if rel.startswith(("reference/", "cli/")):
+            continue   # the oracles themselves, and the command line, which draws them (plot --dppo) and runs
+            # DPPO as a demo baseline; table verification reads tables/reader.py, the oracle's home
         for node in ast.walk(ast.parse(path.read_text())):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []

@@ -11,6 +11,8 @@ import torch
 from helpers import rel_error_lower, rel_error_upper
 from op_samples import DIFFERENTIABLE, band_samples, loss_samples, reference_loss
 
+import bandpo_lut
+import bandpo_lut.runtime.fused_linear  # noqa: F401  (registers bandpo_lut::fused_linear_chunks)
 from bandpo_lut.reference.bounds import bounds as reference_bounds
 from bandpo_lut.runtime.loss_spec import METRICS
 
@@ -18,7 +20,9 @@ ops = torch.ops.bandpo_lut
 DTYPES = {"float32": (torch.float32, 1e-5), "float64": (torch.float64, 1e-10)}
 BAND_OPS = ("bounds", "clip", "clip_backward")
 LOSS_OPS = ("policy_loss_fwd", "policy_loss_bwd")
-PY_OPS = ("per_token",)   # declared in Python (bandpo_lut/runtime/_ops.py), for the fused-linear loss's chunks
+# declared in Python: per_token (bandpo_lut/runtime/_ops.py) and fused_linear_chunks (the fused-linear loss's chunk
+# loop, bandpo_lut/runtime/fused_linear.py, registered when that module is imported: imported here, so the set is whole)
+PY_OPS = ("per_token", "fused_linear_chunks")
 
 
 def _band(device, dtype_name):
@@ -154,3 +158,51 @@ def bandpo_lut_shipped():
     from bandpo_lut.tables import store as tables
 
     return tables.SHIPPED
+
+
+def fused_linear_chunks_calls(device, monkeypatch):
+    """The arguments `fused_linear_policy_loss` passes its chunk op, recorded from real calls (an entropy and
+    gradients wanted, a bias, a temperature, chunks that do not divide the tokens), and the inputs they came from."""
+    from bandpo_lut.runtime import fused_linear
+
+    calls = []
+    real = fused_linear.chunked_pass
+
+    def record(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(fused_linear, "chunked_pass", record)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, 5, 8, generator=g).to(device).requires_grad_()
+    weight = (torch.randn(11, 8, generator=g) / 2).to(device).requires_grad_()
+    bias = torch.randn(11, generator=g).to(device).requires_grad_()
+    ids = torch.randint(0, 11, (3, 5), generator=g).to(device)
+    old = torch.log(torch.rand(3, 5, generator=g).clamp(min=0.05)).to(device)
+    adv = torch.randn(3, 5, generator=g).to(device)
+    loss, _, entropy = bandpo_lut.fused_linear_policy_loss(hidden, weight, ids, old, adv, bias=bias,
+                                                           temperature=0.7, chunk_size=4, return_entropy=True)
+    loss.backward()
+    return calls, (hidden, weight, bias, ids, old, adv)
+
+
+def test_fused_linear_chunks_matches_the_reference_and_opcheck(device, monkeypatch):
+    calls, (hidden, weight, bias, ids, old, adv) = fused_linear_chunks_calls(device, monkeypatch)
+    assert len(calls) == 1
+    # detached: the op runs inside fused_linear_policy_loss's own autograd.Function, which is its derivative
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in calls[0])
+    log_prob, entropy, grad_h, grad_w, grad_b = ops.fused_linear_chunks(*args)
+    # the reference: the full logits, log_softmax, gather; entropy; the gradients by autograd of the unfused loss
+    h = hidden.detach().reshape(15, 8).double().requires_grad_()
+    w, b = weight.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
+    logp_all = torch.log_softmax((h @ w.t() + b) / 0.7, dim=-1)
+    lp = logp_all.gather(-1, ids.reshape(15, 1)).squeeze(-1)
+    want_entropy = -(logp_all.exp() * logp_all).sum(-1)
+    torch.testing.assert_close(log_prob.double(), lp.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(entropy.double(), want_entropy.detach(), rtol=1e-5, atol=1e-6)
+    ref_loss, _ = bandpo_lut.policy_loss(lp.reshape(3, 5), old.double(), adv.double())
+    ref_loss.backward()
+    torch.testing.assert_close(grad_h.double(), h.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grad_w.double(), w.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grad_b.double(), b.grad, rtol=1e-4, atol=1e-6)
+    torch.library.opcheck(ops.fused_linear_chunks.default, args)
