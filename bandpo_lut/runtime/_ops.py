@@ -297,30 +297,17 @@ def policy_loss_fwd(*args):
 
 
 class _EagerLoss(torch.autograd.Function):
-    """The op with its backward, for plain eager code with a gradient to take (see `policy_loss_fwd`). Same
-    kernels and saved tensors as the op's registered autograd, without the ~0.1-0.2 ms per call that
-    torch.library's Python wrapper spends re-binding the schema."""
+    """The op with its registered autograd (the same setup_context and backward), for plain eager code with a
+    gradient to take (see `policy_loss_fwd`): without the ~0.1-0.2 ms per call that torch.library's Python
+    wrapper spends re-binding the schema."""
 
     @staticmethod
-    def forward(ctx, lp, olp, adv, mask, delta_t, *settings_and_agg):
-        loss, metrics, row_scale = ops.policy_loss_fwd(lp, olp, adv, mask, delta_t,
-                                                                             *settings_and_agg)
-        ctx.save_for_backward(lp, olp, adv, mask, delta_t, row_scale)
-        ctx.settings = settings_and_agg[:-1]   # the backward takes every setting but agg (folded into row_scale)
-        ctx.mark_non_differentiable(metrics, row_scale)
-        ctx.set_materialize_grads(False)
-        return loss, metrics, row_scale
+    def forward(ctx, *args):
+        output = ops.policy_loss_fwd(*args)
+        _loss_setup_context(ctx, args, output)
+        return output
 
-    @staticmethod
-    def backward(ctx, grad_loss, grad_metrics, grad_row_scale):
-        grad = None
-        if ctx.needs_input_grad[0] and grad_loss is not None:
-            lp, olp, adv, mask, delta_t, row_scale = ctx.saved_tensors
-            args = (grad_loss, row_scale, lp, olp, adv, mask, delta_t, *ctx.settings)
-            # create_graph=True (grad mode on here): a second derivative must raise, not be a silent zero.
-            second_order = torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            grad = _LossBackward.apply(*_wrap(args)) if second_order else ops.policy_loss_bwd(*args)
-        return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
+    backward = staticmethod(_loss_backward)
 
 
 # ---- per-token copies for the chunked loss (bandpo_lut.runtime.fused_linear) ------------------------------------
