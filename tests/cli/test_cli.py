@@ -51,9 +51,9 @@ def test_info_text_and_json(capsys):
 
 
 BENCH_ROWS = ("torch.clamp(ratio, 0.8, 1.28)", "tv closed form, plain PyTorch", "chi2 closed form, plain PyTorch",
-              "bandpo_lut.clip kl, scalar delta", "bandpo_lut.clip kl, log_p_old, scalar delta",
-              "bandpo_lut.clip kl, per-token delta", "bandpo_lut.clip tv, scalar delta",
-              "bandpo_lut.clip chi2, scalar delta")
+              "bandpo_lut.bounds kl, scalar delta", "bandpo_lut.clip kl, scalar delta",
+              "bandpo_lut.clip kl, log_p_old, scalar delta", "bandpo_lut.clip kl, per-token delta",
+              "bandpo_lut.clip tv, scalar delta", "bandpo_lut.clip chi2, scalar delta")
 
 
 def test_bench_prints_one_consistent_table(tmp_path, capsys):
@@ -67,13 +67,23 @@ def test_bench_prints_one_consistent_table(tmp_path, capsys):
     data = json.loads(record.read_text())
     rows, loss_rows = dict(data["rows"]), dict(data["loss_rows"])
     assert tuple(rows) == BENCH_ROWS and len(loss_rows) == 2
+    copy_s, n, row_bytes = data["copy_seconds"], data["n"], data["bytes_per_element"]
+    assert 0 < copy_s < 60 and n == 4096
+    # the bytes each band row must move per element: what it reads and writes, counted here from the call
+    assert row_bytes == {"torch.clamp(ratio, 0.8, 1.28)": 4 + 4, "bandpo_lut.bounds kl, scalar delta": 4 + 4 + 4,
+                         **{name: 4 + 4 + 4 for name in BENCH_ROWS[4:] if "per-token" not in name},
+                         "bandpo_lut.clip kl, per-token delta": 4 + 4 + 4 + 4}
     for table, unit in ((rows, rows["torch.clamp(ratio, 0.8, 1.28)"]), (loss_rows, next(iter(loss_rows.values())))):
         for name, seconds in table.items():
             assert 0 < seconds < 60, name
             line = next(line for line in out if line.startswith(name))
-            ms, ratio = (float(v) for v in line[len(name):].split())
-            assert ms == pytest.approx(seconds * 1e3, abs=6e-4), name
-            assert ratio == pytest.approx(seconds / unit, abs=0.051), name
+            ms, ratio, *share = line[len(name):].split()
+            assert float(ms) == pytest.approx(seconds * 1e3, abs=6e-4), name
+            assert float(ratio) == pytest.approx(seconds / unit, abs=0.051), name
+            if table is rows:   # percent of copy bandwidth: bytes per second over the copy's 8 bytes per element
+                want = 100 * (row_bytes[name] * n / seconds) / (8 * n / copy_s) if name in row_bytes else None
+                assert share == (["-"] if want is None else share) and \
+                    (want is None or float(share[0]) == pytest.approx(want, abs=0.051)), (name, share, want)
     # where the figures were measured: the CPU's vector ISA and the kernel variant it dispatched
     from bandpo_lut.runtime import _extension
     cpu = _extension.facts()["cpu"]

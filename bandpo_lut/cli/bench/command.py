@@ -83,6 +83,28 @@ def _check_args(args):
     return device
 
 
+# Bytes each clip row must move per element at the least (float32): what it reads (ratio, p or log p, a per-token δ)
+# and writes (the clipped ratio, or the two bounds). A row's share of copy bandwidth is its bytes per second over a
+# device copy's (8 bytes per element: one read, one write): on a GPU the measure of a memory-bound kernel.
+ROW_BYTES = {
+    "torch.clamp(ratio, 0.8, 1.28)": 8,
+    "bandpo_lut.bounds kl, scalar delta": 12,
+    "bandpo_lut.clip kl, scalar delta": 12,
+    "bandpo_lut.clip kl, log_p_old, scalar delta": 12,
+    "bandpo_lut.clip kl, per-token delta": 16,
+    "bandpo_lut.clip tv, scalar delta": 12,
+    "bandpo_lut.clip chi2, scalar delta": 12,
+}
+
+
+def copy_bandwidth_share(name: str, seconds: float, copy_seconds: float) -> float | None:
+    """Percent of copy bandwidth a row reaches (None for the rows whose traffic is not a fixed count: the
+    plain-PyTorch baselines' temporaries)."""
+    if name not in ROW_BYTES:
+        return None
+    return 100.0 * (ROW_BYTES[name] / seconds) / (8 / copy_seconds)
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -261,17 +283,21 @@ def run(args) -> int:
     def row(name, fn, repeats=reps):
         rows.append((name, timeit(fn, device, repeats)))
 
+    log_p = torch.log(p)
     row("torch.clamp(ratio, 0.8, 1.28)", lambda: torch.clamp(ratio, 0.8, 1.28))
     row("tv closed form, plain PyTorch", lambda: tv_closed_form(ratio, p, 0.05))
     row("chi2 closed form, plain PyTorch", lambda: chi2_closed_form(ratio, p, 0.05))
     if not args.skip_bisection:
         row("kl bisection, 50 steps (published approach)",
             lambda: torch.clamp(ratio, *kl_bisection(p, 0.05)), repeats=max(1, min(reps, 2)))
+    row("bandpo_lut.bounds kl, scalar delta", lambda: bandpo_lut.bounds(p, 0.05))
     row("bandpo_lut.clip kl, scalar delta", lambda: bandpo_lut.clip(ratio, p, 0.05))
-    row("bandpo_lut.clip kl, log_p_old, scalar delta", lambda: bandpo_lut.clip(ratio, log_p_old=torch.log(p)))
+    row("bandpo_lut.clip kl, log_p_old, scalar delta", lambda: bandpo_lut.clip(ratio, log_p_old=log_p))
     row("bandpo_lut.clip kl, per-token delta", lambda: bandpo_lut.clip(ratio, p, delta_t))
     row("bandpo_lut.clip tv, scalar delta", lambda: bandpo_lut.clip(ratio, p, 0.05, "tv"))
     row("bandpo_lut.clip chi2, scalar delta", lambda: bandpo_lut.clip(ratio, p, 0.05, "chi2"))
+    # The bandwidth unit: a device-to-device copy of one float32 tensor (read + write, 8 bytes per element).
+    copy_t = timeit(lambda: ratio.clone(), device, reps)
     batch = _loss_batch(args.batch, args.tokens, device)
     loss_rows = [(f"canonical eager PPO loss ({args.batch}x{args.tokens}), fwd+bwd",
                   timeit(lambda: _loss_step("eager", batch), device, reps)),
@@ -286,9 +312,13 @@ def run(args) -> int:
           + f", float32, N = {n}")
     if device.type == "cpu":
         print(cpu_kernel_line())
-    print(f"{'what':58s} {'ms/call':>10s} {'x clamp':>9s}")
+    print(f"{'what':58s} {'ms/call':>10s} {'x clamp':>9s} {'% copy bw':>10s}")
     for name, t in rows:
-        print(f"{name:58s} {t * 1e3:10.3f} {t / clamp_t:9.1f}")
+        share = copy_bandwidth_share(name, t, copy_t)
+        print(f"{name:58s} {t * 1e3:10.3f} {t / clamp_t:9.1f} "
+              + (f"{share:10.1f}" if share is not None else f"{'-':>10s}"))
+    print(f"(% copy bw: the row's memory traffic per second, as a share of a {device.type} copy's: "
+          f"ratio.clone() took {copy_t * 1e3:.3f} ms for {8 * n / 2 ** 20:.1f} MiB read + written)")
     print(f"{'what':58s} {'ms/call':>10s} {'x eager':>9s}")
     for name, t in loss_rows:
         print(f"{name:58s} {t * 1e3:10.3f} {t / eager_t:9.2f}")
@@ -318,5 +348,6 @@ def run(args) -> int:
                   f"(one float32 tensor of the input's size: {size_mb:.1f} MB)")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"rows": rows, "loss_rows": loss_rows}, fh, indent=1)
+            json.dump({"rows": rows, "loss_rows": loss_rows, "copy_seconds": copy_t, "n": n,
+                       "bytes_per_element": ROW_BYTES}, fh, indent=1)
     return 0
