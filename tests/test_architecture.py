@@ -74,9 +74,10 @@ def test_no_module_imports_upward(path):
         theirs = layer(other)
         if LAYERS.index(theirs) > mine:
             problems.append(f"line {line}: {other} ({theirs}) is above {me} ({layer(me)})")
-        # a package's own __init__ sits above its modules (the command line's entry point above the subcommands)
+        # a package's own __init__ sits above its modules (the command line's entry point above the subcommands);
+        # only its __main__ (`python -m`) sits above the __init__
         own_package = me.rpartition(".")[0]
-        if path.name != "__init__.py" and other != "bandpo_lut" and other == own_package:
+        if path.name not in ("__init__.py", "__main__.py") and other != "bandpo_lut" and other == own_package:
             problems.append(f"line {line}: {me} imports its own package's __init__ ({other})")
     assert not problems, "\n".join(problems)
 

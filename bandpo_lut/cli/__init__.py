@@ -59,9 +59,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bandpo-lut{' ' + command if command else ''}: interrupted{detail}", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    # Run as `python -m bandpo_lut.cli`: call the main of the imported module `bandpo_lut.cli`, not of this
-    # `__main__` copy, so that the commands' `UsageError` is the class `main` catches.
-    from bandpo_lut.cli import main as _main
-    sys.exit(_main())
