@@ -137,7 +137,7 @@ def test_readme_trap_names_the_shadowing_source_tree_despite_an_egg_info(tmp_pat
     site = tmp_path / "site"
     shutil.copytree(Path(bandpo_lut.__file__).resolve().parent, site / "bandpo_lut",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(REPO / "tables", site / "bandpo_lut" / "tables")   # where a wheel puts them
+    shutil.copytree(REPO / "tables", site / "bandpo_lut" / "tables" / "data")   # where a wheel puts them
     dist = site / f"bandpo_lut-{bandpo_lut.__version__}.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: bandpo_lut\nVersion: {bandpo_lut.__version__}\n")
