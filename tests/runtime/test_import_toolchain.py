@@ -43,6 +43,7 @@ def test_the_import_code_references_no_iostream(tmp_path):
     obj = tmp_path / "extension_module.o"
     cmd = [cxx, "-std=c++20", "-O0", "-fPIC", "-c", str(REPO / "csrc" / "extension_module.cpp"), "-o", str(obj),
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           "-I" + str(REPO / "csrc"),   # as setup.py: csrc/ files include each other from the csrc root
            "-I" + sysconfig.get_paths()["include"], *("-I" + p for p in cpp_extension.include_paths())]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
