@@ -137,7 +137,8 @@ def test_readme_trap_names_the_shadowing_source_tree_despite_an_egg_info(tmp_pat
     site = tmp_path / "site"
     shutil.copytree(Path(bandpo_lut.__file__).resolve().parent, site / "bandpo_lut",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(REPO / "tables", site / "bandpo_lut" / "tables" / "data")   # where a wheel puts them
+    # where a wheel puts them (a non-editable install has them there already)
+    shutil.copytree(REPO / "tables", site / "bandpo_lut" / "tables" / "data", dirs_exist_ok=True)
     dist = site / f"bandpo_lut-{bandpo_lut.__version__}.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: bandpo_lut\nVersion: {bandpo_lut.__version__}\n")
