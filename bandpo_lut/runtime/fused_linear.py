@@ -106,6 +106,10 @@ def fused_linear_policy_loss(hidden, weight, token_ids, old_log_prob, advantages
     loss, metric_vec, kl_mean, entropy, log_prob = _FusedLinearLoss.apply(
         hidden, weight, bias, token_ids, olp, adv, mask_op, delta_t, ref, settings,
         (float(temperature), chunk, float(beta), _spec.AGG_ID[loss_settings.agg], needs, return_entropy))
+    # Non-differentiable outputs (marked so in the Function), detached again here: under torch.compile, torch 2.11's
+    # AOT autograd lost the mark on the entropy and asked for its gradient ("element 1 of tensors does not require
+    # grad"). Detaching a tensor without gradient changes nothing else.
+    entropy, kl_mean, log_prob = entropy.detach(), kl_mean.detach(), log_prob.detach()
     metrics = dict(zip(_spec.METRICS, metric_vec.unbind()))
     if ref_log_prob is not None:
         metrics["kl"] = kl_mean
