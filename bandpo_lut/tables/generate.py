@@ -221,7 +221,9 @@ def generate(divergence, *, t_max, t_density, delta_min, delta_max, s_nodes, gho
         "banner": "GENERATED FILE - do not edit. Produced by `bandpo-lut generate`; regenerate with the "
                   "command under generator.command.",
         "format": {"name": "bandpo_lut bound table", "version": table_format.FORMAT_VERSION},
-        "generator": {"name": "bandpo_lut.tables.generate", "version": __version__,
+        # The generator's recorded name is 0.1's module path, kept so that the shipped tables regenerate byte for
+        # byte (CI checks it); the code lives in bandpo_lut.tables.generate (library) and bandpo_lut.cli.generate.
+        "generator": {"name": "bandpo_lut.generate", "version": __version__,
                       "command": command or _command_line(div.name, t_max, t_density, delta_min, delta_max,
                                                           s_nodes, ghost, dps, dtype, accuracy_points)},
         "divergence": {"name": div.name, "formula": div.formula, "description": div.description,
