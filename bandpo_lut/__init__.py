@@ -9,7 +9,7 @@ ms), so that a saved program using the ops (torch.export.load, torch.jit.load) f
 """
 from bandpo_lut import _moved
 from bandpo_lut._version import __version__
-from bandpo_lut.runtime.api import bounds, clip
+from bandpo_lut.runtime.band import bounds, clip
 from bandpo_lut.runtime.loss import COUNTS, FRACTIONS, BandPolicyLoss, metrics_from_counts, policy_loss
 from bandpo_lut.runtime.settings import LossSettings
 from bandpo_lut.tables.divergences import names as divergence_names

@@ -12,7 +12,7 @@ import warnings
 
 # old module -> where it lives now
 MOVED = {
-    "bandpo_lut.api": "bandpo_lut.runtime.api",
+    "bandpo_lut.api": "bandpo_lut.runtime.band",
     "bandpo_lut._ops": "bandpo_lut.runtime._ops",
     "bandpo_lut._extension": "bandpo_lut.runtime._extension",
     "bandpo_lut.table_cache": "bandpo_lut.runtime.table_cache",

@@ -3,7 +3,7 @@
 //
 // Accuracy against double-precision libm (sampled: every 97th normal float for log, [-87, 88] for exp,
 // [-20, 20] for expm1): log 1.9 ulp, exp 1.2 ulp, expm1 4.0 ulp (near |x| = 0.35, where it switches
-// from its series to exp - 1). The ops' end-to-end accuracy is tested against mpmath (tests/runtime/test_ops.py).
+// from its series to exp - 1). The ops' end-to-end accuracy is tested against mpmath (tests/runtime/test_band.py).
 // NaN in gives NaN out; ±inf and 0 follow C.
 #pragma once
 

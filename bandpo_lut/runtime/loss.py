@@ -20,7 +20,7 @@ import torch
 from bandpo_lut.runtime import loss_spec as _spec
 from bandpo_lut.runtime import settings as _settings
 from bandpo_lut.runtime import table_cache as _cache
-from bandpo_lut.runtime.api import bounds
+from bandpo_lut.runtime.band import bounds
 from bandpo_lut.tables import checks as _checks
 
 COUNTS = _spec.COUNTS

@@ -34,7 +34,7 @@ std::shared_ptr<const CellPolys> cell_polys(const BandParams& band) {
   static std::mutex mu;
   static std::unordered_map<std::string, std::shared_ptr<const CellPolys>> cache;
   // The key holds the table's geometry besides its address: a table tensor freed and another allocated at the
-  // same address (a temporary `table.cpu()` copy per call did this in tests/runtime/test_ops_device_limits.py) must not
+  // same address (a temporary `table.cpu()` copy per call did this in tests/runtime/test_band_device_limits.py) must not
   // get the first one's cells, of another length (read out of bounds: NaN and garbage bounds).
   const TableView& tb = band.table;
   const double geometry[] = {

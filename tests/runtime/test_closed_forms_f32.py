@@ -19,7 +19,7 @@ NAMES = ("tv", "chi2", "hellinger")
 # three roundings; chi2's lower bound adds a square root and a product to the gap's (exact to rounding however
 # small, see closed_gap); hellinger's squares a quotient, doubling its relative error. Measured maxima over
 # 7·10^5 points per divergence (35 scalar δ): tv 1.4 / 1.9 ulp (lower / upper), chi2 4.0 / 1.5, hellinger 6.1 / 2.9;
-# all below 5e-7 relative (the ops' accuracy bar, tests/runtime/test_ops.py, is 1e-6).
+# all below 5e-7 relative (the ops' accuracy bar, tests/runtime/test_band.py, is 1e-6).
 ULPS = {"tv": (2.5, 2.0), "chi2": (2.0, 5.0), "hellinger": (3.5, 7.5)}   # (upper, lower)
 
 

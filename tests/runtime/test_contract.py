@@ -96,14 +96,14 @@ print("ok")
 
 def test_a_table_read_divergence_refuses_a_placeholder_table():
     p = torch.rand(4)
-    meta, _ = bandpo_lut.runtime.api.table_for("kl", p)
+    meta, _ = bandpo_lut.runtime.band.table_for("kl", p)
     with pytest.raises(RuntimeError, match="too small for kl, which reads its table"):
         torch.ops.bandpo_lut.bounds(p, None, 0.05, torch.empty(2, 0, 0), list(meta.grid), 0, False, float("inf"))
 
 
 def test_an_unknown_divergence_id_is_refused_by_the_op():
     p = torch.rand(4)
-    meta, coefficients = bandpo_lut.runtime.api.table_for("kl", p)
+    meta, coefficients = bandpo_lut.runtime.band.table_for("kl", p)
     n = len(_extension.facts()["divergences"])
     with pytest.raises(RuntimeError, match="unknown divergence id"):
         torch.ops.bandpo_lut.bounds(p, None, 0.05, coefficients, list(meta.grid), n, False, float("inf"))
@@ -112,7 +112,7 @@ def test_an_unknown_divergence_id_is_refused_by_the_op():
 def test_grid_fields_are_packed_by_name():
     # every field the C++ side reads is packed by Python under that name, in the C++ order
     grid_fields = _extension.facts()["grid_fields"]
-    meta, _ = bandpo_lut.runtime.api.table_for("tv", torch.rand(2))
+    meta, _ = bandpo_lut.runtime.band.table_for("tv", torch.rand(2))
     table = bandpo_lut.tables.store.get("tv")
     want = {"t_min": table.t.min, "t_step": table.t.step, "s_min": table.s.min, "s_step": table.s.step,
             "delta_min": table.delta_min, "delta_max": table.delta_max, "delta_max_inclusive": 0.0}
@@ -128,7 +128,7 @@ def test_band_fake_kernels_and_autograd_follow_the_schemas():
         assert len(schema.returns) == returns
         assert len(_ops.no_grads(name)) == len(schema.arguments)
     p, r = torch.rand(3, 1, dtype=torch.float64), torch.rand(1, 5, dtype=torch.float64)
-    meta, coefficients = bandpo_lut.runtime.api.table_for("kl", p)
+    meta, coefficients = bandpo_lut.runtime.band.table_for("kl", p)
     args = (p, None, 0.05, coefficients, list(meta.grid), 0, False, 10.0)
     real = (torch.ops.bandpo_lut.bounds(*args), torch.ops.bandpo_lut.clip(r, *args))
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -165,7 +165,7 @@ def test_loss_facts_agree_with_loss_spec():
 
 def test_loss_fake_kernels_and_autograd_follow_the_schemas():
     fwd, bwd = torch.ops.bandpo_lut.policy_loss_fwd.default, torch.ops.bandpo_lut.policy_loss_bwd.default
-    prep = bandpo_lut.runtime.api.table_args("kl")
+    prep = bandpo_lut.runtime.band.table_args("kl")
     lp = torch.randn(3, 5, dtype=torch.float64).clamp(max=-0.01)
     args = (lp, lp - 0.1, torch.randn(3, 5, dtype=torch.float64), None, None, 0.05, prep.coefficients,
             prep.grid, 0, 0, 0.0, 0.0, 10.0, 0.0, 0, 0)

@@ -131,7 +131,7 @@ def test_torch_compile_fullgraph_matches_eager(device):
 
 def test_opcheck():
     lp, olp, adv, mask = make_batch("cpu", torch.float64, B=4, T=64, seed=7)
-    prep = bandpo_lut.runtime.api.table_args("kl")
+    prep = bandpo_lut.runtime.band.table_args("kl")
     args = (lp.requires_grad_(), olp, adv, mask.view(torch.uint8), None, 0.05, prep.coefficients, prep.grid, 0, 0,
             0.0, 0.0, 10.0, 3.0, 0, 2)   # ..., mode "clip", agg "seq-mean-token-mean"
     torch.library.opcheck(torch.ops.bandpo_lut.policy_loss_fwd, args)

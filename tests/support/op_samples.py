@@ -5,7 +5,7 @@ A sample is a call of the public API (the settings a user gives, which the pure-
 forward and backward, with the compiled-op calls it made recorded at the dispatcher: `bounds`, `clip` and
 `clip_backward` (composite: its arguments as clip's autograd passes them) for a band sample, `policy_loss_fwd` and
 `policy_loss_bwd` for a loss sample. The recorded
-arguments are exactly those the package passes, so tests/runtime/test_ops_samples.py checks each op's output against the
+arguments are exactly those the package passes, so tests/runtime/test_op_samples.py checks each op's output against the
 reference AND runs torch.library.opcheck on the same arguments, on every device.
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ _KEEP = []   # tables made here stay alive: the cell caches are keyed by the tab
 
 def dense_kl_table(factor, device):
     """The shipped KL table stretched along t (factor times the cells): a valid table of the same range."""
-    prep = bandpo_lut.runtime.api.table_args("kl")
+    prep = bandpo_lut.runtime.band.table_args("kl")
     coef, grid = prep.coefficients, list(prep.grid)
     nt = (coef.shape[1] - 3) * factor + 1
     dense = torch.nn.functional.interpolate(coef.unsqueeze(0), size=(nt + 2, coef.shape[2]), mode="bilinear",

@@ -1,12 +1,13 @@
-"""The public compiled API: `bounds` and `clip` (validation here, math in csrc/, the tables' way to the
-ops in `table_cache`)."""
+"""The band's public entry points, `bounds` and `clip`: validation here, the math in csrc/band_element.h
+(host: csrc/band_host.h, kernels: csrc/cpu/band_cpu.cpp, csrc/cuda/band_cuda.cu), the tables' way to the ops in
+`table_cache`. Tests: tests/runtime/test_band*.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from bandpo_lut.runtime.table_cache import TableArgs, compiled_ops, scalar_delta, table_args, table_for  # noqa: F401 (api.table_args: tests, tools)
+from bandpo_lut.runtime.table_cache import TableArgs, compiled_ops, scalar_delta, table_args, table_for  # noqa: F401 (band.table_args: tests, tools)
 from bandpo_lut.tables.checks import check_max_ratio, check_tensor, compiled_divergence, is_host_scalar, is_number
 
 
