@@ -34,8 +34,8 @@ std::shared_ptr<const CellPolys> cell_polys(const BandParams& band) {
   static std::mutex mu;
   static std::unordered_map<std::string, std::shared_ptr<const CellPolys>> cache;
   // The key holds the table's geometry besides its address: a table tensor freed and another allocated at the
-  // same address (a temporary `table.cpu()` copy per call did this in tests/runtime/test_band_device_limits.py) must not
-  // get the first one's cells, of another length (read out of bounds: NaN and garbage bounds).
+  // same address (a temporary `table.cpu()` copy per call does this) must not get the first one's cells, of
+  // another length (read out of bounds: NaN and garbage bounds).
   const TableView& tb = band.table;
   const double geometry[] = {
       static_cast<double>(tb.nt), static_cast<double>(tb.ns), tb.t_min, tb.t_step, tb.s_min, tb.s_step, band.delta};
