@@ -7,7 +7,6 @@ Importing the package compiles nothing; it loads the compiled extension when the
 ms), so that a saved program using the ops (torch.export.load, torch.jit.load) finds them after
 `import bandpo_lut` alone. A missing or unfit extension is reported, with what to do, on first use.
 """
-from bandpo_lut import _moved
 from bandpo_lut._version import __version__
 from bandpo_lut.runtime.band import bounds, clip
 from bandpo_lut.runtime.loss import COUNTS, FRACTIONS, BandPolicyLoss, metrics_from_counts, policy_loss
@@ -23,7 +22,6 @@ def _register_ops() -> None:
 
 
 _register_ops()
-_moved.install()   # the import paths of 0.1 (_moved.MOVED), for one release
 
 
 def build_info() -> dict:
