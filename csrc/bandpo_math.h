@@ -1,6 +1,6 @@
 // The band's math, written once for the CPU loops and the CUDA kernels (host-device inline functions).
 //
-// Conventions (see bandpo_lut/tables.py and the table header for the stored quantities):
+// Conventions (see bandpo_lut/tables/generate.py and the table header for the stored quantities):
 //   t = logit(p) and s = log(δ) are the table coordinates; the KL table stores, as uniform cubic B-spline
 //   coefficients, q_up = p·r_up and κ = -p·ln(r_lo)/δ. Closed-form divergences (tv, chi2, hellinger) are
 //   evaluated directly (float arithmetic for float inputs, see closed_form_bounds), exact to rounding.

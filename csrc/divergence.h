@@ -1,6 +1,6 @@
 // The compiled divergences: the one list that every kernel dispatches on.
 //
-// Python's registry (bandpo_lut/divergences.py, `compiled_id`) must agree with it: the list reaches Python in
+// Python's registry (bandpo_lut/tables/divergences.py, `compiled_id`) must agree with it: the list reaches Python in
 // bandpo_lut._C's facts (csrc/facts.h) and tests/runtime/test_contract.py compares the two. Adding a divergence here
 // means an enumerator, its traits specialisation below (else nothing compiles), a case in every `switch` over
 // Divergence (the build passes -Werror=switch: a missing case is a compile error; the switches have no
@@ -15,7 +15,7 @@ namespace bandpo {
 enum class Divergence : int { kKL = 0, kTV = 1, kChi2 = 2, kHellinger = 3 };
 
 // What the kernels need to know of a divergence.
-//   name         the registry name (bandpo_lut.divergences)
+//   name         the registry name (bandpo_lut.tables.divergences)
 //   closed_form  bounds from a closed form, exact to rounding (csrc/bandpo_math.h closed_form_bounds);
 //                otherwise read from the table (q_up and κ = -p·ln(r_lo)/δ, see bandpo_math.h)
 template <Divergence D>

@@ -1,5 +1,5 @@
 // The facts of the compiled library that Python must agree with, as one JSON object: the one way C++ facts
-// reach Python (bandpo_lut._C.facts_json, read by bandpo_lut._extension.facts()). Keys:
+// reach Python (bandpo_lut._C.facts_json, read by bandpo_lut.runtime._extension.facts()). Keys:
 //   build                      what the library was built with (csrc/build_info.h)
 //   divergences                {name: id} of the compiled divergences (csrc/divergence.h)
 //   closed_form_divergences    the names of those evaluated in closed form (they read no table, only its δ range)

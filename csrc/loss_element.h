@@ -9,7 +9,7 @@
 
 namespace bandpo {
 
-// The ids of the string options: their position in bandpo_lut/loss_spec.py's CLIPS, MODES and AGGS. Every
+// The ids of the string options: their position in bandpo_lut/runtime/settings.py's CLIPS, MODES and AGGS. Every
 // switch over them is exhaustive and has no `default:` (-Werror=switch). `name_of` gives the Python name (the
 // facts exported to Python, csrc/facts.h) and, returning null for anything else, decides which ids the host
 // accepts (option_from_id in loss_host.h): a new enumerator needs its name, or it is refused.
@@ -55,7 +55,7 @@ inline const char* name_of(AggKind a) {
   return nullptr;
 }
 
-// Indices into the counts vector (bandpo_lut.loss_spec.COUNTS).
+// Indices into the counts vector (bandpo_lut.runtime.loss_spec.COUNTS).
 enum CountIndex : int {
   kNTokens = 0,
   kNClipped,

@@ -1,13 +1,14 @@
 // The op schemas, declared once. Backends register implementations in csrc/cpu and csrc/cuda; the
-// fake (meta) kernels and autograd formulas are registered from Python (bandpo_lut/_ops.py).
+// fake (meta) kernels and autograd formulas are registered from Python (bandpo_lut/runtime/_ops.py).
 //
 //   prob         p_old, or log p_old when log_input is true
 //   delta        optional per-element δ (same dtype and device as prob, broadcastable); when absent the
 //                scalar delta_scalar is used and the table's δ axis is collapsed once per (table, δ)
-//   table        (2, n_t + 2, n_s + 2) float32 B-spline coefficients on prob's device (see tables.py)
+//   table        (2, n_t + 2, n_s + 2) float32 B-spline coefficients on prob's device (their definition:
+//                bandpo_lut/tables/generate.py)
 //   grid         the table's grid and δ range, in the order of csrc/table_grid.h's GridField (Python packs it
 //                by the names in bandpo_lut._C's facts, "grid_fields")
-//   divergence   the id of csrc/divergence.h's enum Divergence (bandpo_lut.divergences' compiled_id)
+//   divergence   the id of csrc/divergence.h's enum Divergence (bandpo_lut.tables.divergences' compiled_id)
 //   max_ratio    cap of the upper bound (inf: none)
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -19,11 +20,11 @@ TORCH_LIBRARY(bandpo_lut, m) {
   m.def(
       "clip(Tensor ratio, Tensor prob, Tensor? delta, float delta_scalar, Tensor table, float[] grid, "
       "int divergence, bool log_input, float max_ratio) -> Tensor");
-  // The fused policy loss (bandpo_lut/loss.py, specified by bandpo_lut/reference/policy_loss.py). The forward
+  // The fused policy loss (bandpo_lut/runtime/loss.py, specified by bandpo_lut/reference/policy_loss.py). The forward
   // returns the aggregated loss (0-dim), the metric vector (the counts, then the fractions, of
-  // bandpo_lut/loss_spec.py's METRICS; log_prob's dtype) and row_scale, ∂loss/∂(row b's Σ w·loss) in float64,
+  // bandpo_lut/runtime/loss_spec.py's METRICS; log_prob's dtype) and row_scale, ∂loss/∂(row b's Σ w·loss) in float64,
   // which is all the backward needs besides the inputs: it recomputes each token's terms. clip_kind, mode and
-  // agg are the positions in loss_spec's CLIPS, MODES and AGGS; dual_clip: c > 1, or 0 for none; mask: bool,
+  // agg are the positions in settings.py's CLIPS, MODES and AGGS; dual_clip: c > 1, or 0 for none; mask: bool,
   // uint8 (0/1) or log_prob's dtype (weights); delta: broadcastable to log_prob's (batch, T) shape.
   m.def(
       "policy_loss_fwd(Tensor log_prob, Tensor old_log_prob, Tensor advantages, Tensor? mask, Tensor? delta, "

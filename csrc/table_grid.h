@@ -1,6 +1,6 @@
 // The table's grid as it crosses from Python to the ops (the `float[] grid` argument): its fields, in order.
-// Python packs the list by these names, read from bandpo_lut._C's facts (csrc/facts.h, bandpo_lut/table_cache.py), so
-// the order is written here only; the length follows from the list.
+// Python packs the list by these names, read from bandpo_lut._C's facts (csrc/facts.h,
+// bandpo_lut/runtime/table_cache.py), so the order is written here only; the length follows from the list.
 #pragma once
 
 namespace bandpo {

@@ -66,7 +66,7 @@ std::shared_ptr<const CellPolys> cell_polys(const BandParams& band) {
 //   1. p, 1 - p, t = logit p, and per-token δ terms  (vector)
 //   2. cell lookup and the cubics                     (scalar: the gathers)
 //   3. tails, the exp of the lower bound, cap, clamp  (vector)
-// Closed forms need no table and run in one vector pass of their own (cpu/closed_form_cpu.h).
+// Closed forms need no table and run in one vector pass of their own (cpu/simd/closed_form_cpu.h).
 namespace {
 
 // Pass 3 of a per-token-δ block; TAILS: whether the block has elements beyond the grid in t. dd: the block's

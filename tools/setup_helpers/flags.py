@@ -11,7 +11,7 @@ def extension_flags(with_cuda: bool, machine: str, platform: str) -> tuple[list[
     skips its TORCH_CUDA_ARCH_LIST handling), which is why the build facts travel in a header.
     -fno-trapping-math: lets GCC if-convert the branch-free float loops (csrc/cpu) and vectorise them;
     it changes no result (NaN and inf semantics are kept), only assumptions about FP exception flags.
-    -fno-math-errno: sqrt (the closed forms, csrc/cpu/closed_form_cpu.h) becomes one vector instruction instead
+    -fno-math-errno: sqrt (the closed forms, csrc/cpu/simd/closed_form_cpu.h) becomes one vector instruction instead
     of a libm call kept for errno on negative input, which blocks vectorisation; results are unchanged.
     -mprefer-vector-width=512: GCC's generic tuning vectorises 256 bits wide even in the AVX-512 clone
     (csrc/cpu/band_cpu.h); 512 is what the clone is for. x86 only; code for other ISAs is unaffected.
