@@ -4,9 +4,9 @@ comments and the docstrings name exists (tests/test_architecture.py checks that 
 What counts as a name: in Markdown the whole text; in Python the comments and docstrings; in C++/CUDA the comments;
 in shell, requirements and TOML files the `#` comments. A word is a path when it ends in a file suffix of this
 repository's kinds; it is found relative to the repository root, the package, csrc/, tests/, tools/ or the naming
-file's own folder. A `bandpo_lut.a.b` word must resolve to modules, then at most one attribute defined at the top
-level of the last module. Names of other projects' files and of files the build or the user makes are listed below,
-each with its reason; an upper-case placeholder (`tables/NAME.bplut`) is not a name.
+file's own folder. A dotted word that starts with the package's name must resolve to modules, then at most one
+attribute defined at the top level of the last module. Names of other projects' files and of files the build or
+the user makes are listed below, each with its reason; an upper-case placeholder (`tables/NAME.bplut`) is not a name.
 """
 from __future__ import annotations
 
