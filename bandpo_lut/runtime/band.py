@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bandpo_lut.runtime.table_cache import TableArgs, compiled_ops, scalar_delta, table_args, table_for  # noqa: F401 (band.table_args: tests, tools)
+from bandpo_lut.runtime._extension import compiled_ops
+from bandpo_lut.runtime.table_cache import TableArgs, scalar_delta, table_args, table_for  # noqa: F401 (band.table_args: tests, tools)
 from bandpo_lut.tables.checks import check_max_ratio, check_tensor, compiled_divergence, is_host_scalar, is_number
 
 

@@ -1,5 +1,5 @@
 """The table cache: what every caller of the compiled ops passes besides its own arguments (the table's
-coefficients and grid, a number δ in the form the ops take it) and the ops themselves, loaded on first use.
+coefficients and grid, a number δ in the form the ops take it).
 
 How a table reaches the compiled ops, in any context a user may call them from first (eager, under
 torch.compile with or without fullgraph/dynamic, torch.export, a FakeTensorMode):
@@ -118,13 +118,6 @@ def table_for(divergence: str | None, prob: torch.Tensor) -> tuple[TableMeta, to
         if fake_mode is not None:
             coefficients = fake_mode.from_tensor(coefficients, static_shapes=True)
     return meta, coefficients
-
-
-def compiled_ops():
-    """The ops' entry points `bounds`, `clip` and `policy_loss_fwd` (bandpo_lut.runtime._ops: torch.ops.bandpo_lut with
-    forward-mode and torch.func rules), the extension loaded and fake kernels/autograd registered (once)."""
-    from bandpo_lut.runtime import _ops as ops_module  # loads the extension and registers fake kernels/autograd once
-    return ops_module
 
 
 def scalar_delta(delta, meta: TableMeta) -> tuple[torch.Tensor | None, float]:
