@@ -20,11 +20,12 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
 
 import torch
+
+from bandpo_lut.cli.bench import fused_linear as bench_fused_linear
+from bandpo_lut.cli.bench import measure
 
 # Upper ends of the size arguments. Memory is checked against the device before anything is allocated (sizes are
 # bounded by that); these bound the rest: time (--repeats, mpmath's ~ms per --accuracy-points point) and threads.
@@ -51,8 +52,6 @@ def add_arguments(parser):
     parser.add_argument("--skip-memory", action="store_true",
                         help="skip the peak-memory rows (CPU; two fresh processes)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    from bandpo_lut.cli.bench import fused_linear as bench_fused_linear
-
     bench_fused_linear.add_arguments(parser)
 
 
@@ -201,48 +200,14 @@ def _loss_step(kind, batch):
 
 
 def peak_extra_memory_mb(kind, batch, tokens):
-    """Peak resident-memory growth during one forward+backward (CPU), in a fresh process.
-
-    Linux only: the high-water mark is reset through /proc/self/clear_refs just before the step, and
-    MALLOC_MMAP_THRESHOLD_ keeps every large allocation in its own mapping, so that what the step
-    allocates and frees shows in the peak (glibc would otherwise recycle warm-up memory unseen).
-    Returns None where this cannot be measured."""
-    if not os.path.exists("/proc/self/clear_refs"):
+    """Peak resident-memory growth during one forward+backward (CPU), in a fresh process (`measure`: how);
+    None where this cannot be measured."""
+    if not measure.cpu_peak_measurable():
         return None
-    code = f"""
-import torch, bandpo_lut
-from bandpo_lut.cli.bench.command import _loss_batch, _loss_step
-torch.set_num_threads(2)
-def status(key):
-    for line in open('/proc/self/status'):
-        if line.startswith(key):
-            return int(line.split()[1])
-b = _loss_batch({batch}, {tokens}, torch.device('cpu'))
-_loss_step({kind!r}, _loss_batch(2, 64, torch.device('cpu')))
-open('/proc/self/clear_refs', 'w').write('5')
-before = status('VmRSS:')
-_loss_step({kind!r}, b)
-print((status('VmHWM:') - before) / 1024.0)
-"""
-    env = child_env(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2")
     try:
-        with tempfile.TemporaryDirectory() as cwd:
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                 cwd=cwd, env=env)
+        return float(measure.run_child("loss", [kind, batch, tokens], threads=2))
     except (subprocess.CalledProcessError, OSError):
         return None
-    return float(out.stdout.strip().splitlines()[-1])
-
-
-def child_env(**extra) -> dict:
-    """The environment of a measuring child process: this one's, with this bandpo_lut's parent folder first on
-    PYTHONPATH (the child runs in an empty temporary folder, never the home folder, which may be unset or
-    absent, nor the current one, where a source checkout would shadow the package), plus `extra`."""
-    import bandpo_lut
-
-    parent = os.path.dirname(os.path.dirname(os.path.abspath(bandpo_lut.__file__)))
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([parent, *paths]), **extra)
 
 
 CPU_VARIANT_TARGETS = {"avx512": "x86-64-v4", "avx2": "x86-64-v3", "baseline": "x86-64"}
@@ -269,8 +234,6 @@ def run(args) -> int:
 
     device = _check_args(args)
     if getattr(args, "fused_linear", False):   # its own section: fresh processes, see bench_fused_linear
-        from bandpo_lut.cli.bench import fused_linear as bench_fused_linear
-
         return bench_fused_linear.run(args, device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)

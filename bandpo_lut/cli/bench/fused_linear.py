@@ -5,21 +5,19 @@
 
 For each vocabulary size, LM head frozen (LoRA-style: no weight gradient) and trained, each path runs in a
 fresh process: one warm-up step, then one measured step for memory, then --fl-repeats timed steps
-(fwd+bwd; the median is reported). Peak extra memory: CPU, the resident-set high-water mark (VmHWM, reset
-through /proc/self/clear_refs before the step, every large allocation in its own mapping so that freed
-memory shows) minus the resident size before the step; CUDA, torch.cuda.max_memory_allocated minus the
-allocated size before the step (the caching allocator's accounting). The gradients of hidden and weight
-(which any path must hold) are subtracted and shown apart.
+(fwd+bwd; the median is reported). Peak extra memory as `bandpo_lut.cli.bench.measure` reads it (CPU: the
+resident-set high-water mark; CUDA: the caching allocator's peak). The gradients of hidden and weight (which any
+path must hold) are subtracted and shown apart.
 """
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import tempfile
 
 import torch
+
+from bandpo_lut.cli.bench import measure
 
 
 def add_arguments(parser):
@@ -62,59 +60,17 @@ def step(kind, inputs, chunk=None):
     loss.backward()
 
 
-_CHILD = """
-import json, statistics, sys, time, torch
-from bandpo_lut.cli.bench.fused_linear import make_inputs, step
-kind, tokens, hidden, vocab, train, repeats, chunk, dev = json.loads(sys.argv[1])
-device = torch.device(dev)
-torch.set_num_threads({threads})
-def status(key):
-    for line in open('/proc/self/status'):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-def sync():
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-x = make_inputs(tokens, hidden, vocab, device, train)
-step(kind, x, chunk)            # warm-up (also allocates the gradients)
-x[0].grad = x[1].grad = None
-sync()
-if device.type == 'cuda':
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-else:
-    open('/proc/self/clear_refs', 'w').write('5')
-    before = status('VmRSS:')
-step(kind, x, chunk)
-sync()
-peak = (torch.cuda.max_memory_allocated(device) if device.type == 'cuda' else status('VmHWM:')) - before
-times = []
-for _ in range(repeats):
-    t0 = time.perf_counter()
-    step(kind, x, chunk)
-    sync()
-    times.append(time.perf_counter() - t0)
-print(json.dumps([peak, statistics.median(times)]))
-"""
-
-
-def measure(kind, tokens, hidden, vocab, train, repeats, chunk, device, threads):
+def measure_row(kind, tokens, hidden, vocab, train, repeats, chunk, device, threads):
     """(peak extra bytes, median seconds) of one configuration, in a fresh process; None if it failed."""
-    if device.type == "cpu" and not os.path.exists("/proc/self/clear_refs"):
+    if device.type == "cpu" and not measure.cpu_peak_measurable():
         return None
-    from bandpo_lut.cli.bench.command import child_env
-
-    env = child_env(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads))
-    arg = json.dumps([kind, tokens, hidden, vocab, train, repeats, chunk, str(device)])
     try:
-        with tempfile.TemporaryDirectory() as cwd:
-            out = subprocess.run([sys.executable, "-c", _CHILD.format(threads=threads), arg], capture_output=True,
-                                 text=True, check=True, cwd=cwd, env=env)
+        return tuple(measure.run_child("fused_linear", [kind, tokens, hidden, vocab, train, repeats, chunk,
+                                                        str(device)], threads))
     except subprocess.CalledProcessError as err:
         last = err.stderr.strip().splitlines()[-1:] or [f"exit status {err.returncode}"]
         print(f"  ({kind}, V={vocab}, head {'trained' if train else 'frozen'}: failed: {last[0]})", file=sys.stderr)
         return None
-    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def run(args, device) -> int:
@@ -132,8 +88,8 @@ def run(args, device) -> int:
         chunk = args.fl_chunk or default_chunk_size(n, vocab)
         for train in (False, True):
             grads = 4 * (n * hdim + (vocab * hdim if train else 0))
-            un = measure("unfused", n, hdim, vocab, train, reps, args.fl_chunk, device, args.threads)
-            fu = measure("fused", n, hdim, vocab, train, reps, args.fl_chunk, device, args.threads)
+            un = measure_row("unfused", n, hdim, vocab, train, reps, args.fl_chunk, device, args.threads)
+            fu = measure_row("fused", n, hdim, vocab, train, reps, args.fl_chunk, device, args.threads)
             if un is None or fu is None:
                 failed.append(f"V={vocab} head {'trained' if train else 'frozen'}")
                 continue
