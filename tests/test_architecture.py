@@ -123,3 +123,24 @@ def test_importing_the_package_installs_no_import_machinery():
             "extra = [type(f).__module__ for f in sys.meta_path if f not in before]; "
             "assert not [m for m in extra if m.startswith('bandpo_lut')], extra")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_no_import_cycle():
+    """No module reaches itself through imports (function-level ones included): a cycle inside one layer is as hard
+    to read as an upward import. A name imported from a package's __init__ counts as the package."""
+    graph = {module_name(p): {other for _, other in imported_modules(p) if other != module_name(p)} for p in modules()}
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for start in sorted(graph):
+        if start not in state:
+            visit(start, [start])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)

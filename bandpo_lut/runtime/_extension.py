@@ -156,14 +156,6 @@ def load() -> ModuleType:
     return module
 
 
-def compiled_ops() -> ModuleType:
-    """The ops' entry points `bounds`, `clip` and `policy_loss_fwd` (bandpo_lut.runtime._ops: torch.ops.bandpo_lut
-    with forward-mode and torch.func rules; its `ops` is the raw torch.ops.bandpo_lut), the library loaded and the
-    fake kernels and autograd registered (once; ImportError like `load()`)."""
-    from bandpo_lut.runtime import _ops  # imports this module: loaded here, on first use, not at import
-    return _ops
-
-
 def facts() -> dict:
     """The compiled library's facts (csrc/facts.h), parsed once: "build", "divergences" ({name: id}),
     "closed_form_divergences", "grid_fields" (the order of the ops' grid argument) and "loss" (the fused

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from bandpo_lut.runtime._extension import compiled_ops
 from bandpo_lut.runtime.table_cache import TableArgs, scalar_delta, table_args, table_for  # noqa: F401 (band.table_args: tests, tools)
 from bandpo_lut.tables.checks import check_max_ratio, check_tensor, compiled_divergence, is_host_scalar, is_number
 
@@ -89,7 +88,9 @@ def bounds(p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, max_ratio
         max_ratio), p = 1 the p → 1 limits; NaN in gives NaN out. Not differentiable (constants).
     """
     a = prepare_args(p_old, log_p_old, delta, divergence, max_ratio)
-    return compiled_ops().bounds(a.prob, a.delta, a.delta_scalar, a.coefficients, list(a.grid), a.divergence_id,
+    from bandpo_lut.runtime import _ops  # loads the library on first use, not at import
+
+    return _ops.bounds(a.prob, a.delta, a.delta_scalar, a.coefficients, list(a.grid), a.divergence_id,
                          a.log_input, a.max_ratio)
 
 
@@ -104,7 +105,9 @@ def clip(ratio, p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, max_
     """
     check_tensor("ratio", ratio)
     a = prepare_args(p_old, log_p_old, delta, divergence, max_ratio, others=(("ratio", ratio),))
-    return compiled_ops().clip(ratio.to(a.dtype), a.prob, a.delta, a.delta_scalar, a.coefficients, list(a.grid),
+    from bandpo_lut.runtime import _ops  # loads the library on first use, not at import
+
+    return _ops.clip(ratio.to(a.dtype), a.prob, a.delta, a.delta_scalar, a.coefficients, list(a.grid),
                        a.divergence_id, a.log_input, a.max_ratio)
 
 

@@ -41,7 +41,6 @@ import math
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-from bandpo_lut.runtime import _extension
 from bandpo_lut.runtime import loss as _loss
 from bandpo_lut.runtime import loss_spec as _spec
 from bandpo_lut.runtime import settings as _settings
@@ -223,7 +222,8 @@ def _chunked_pass_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
     Returns (log_prob (n,), entropy (n,) or (0,), grad_h, grad_w, grad_b), each gradient (0,) when not asked
     for. log_prob and entropy in the softmax dtype (float32 at least), grad_h in hidden's dtype, grad_w and
     grad_b in the softmax dtype."""
-    ops = _extension.compiled_ops().ops
+    from bandpo_lut.runtime._ops import ops  # the library, loaded on first use
+
     n_tokens, width = hidden.shape
     vocab = weight.shape[0]
     acc = torch.promote_types(hidden.dtype, torch.float32)   # softmax arithmetic
@@ -320,7 +320,7 @@ class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, token_ids, olp, adv, mask, delta_t, ref, settings, options):
         temperature, chunk, beta, agg_id, needs, want_entropy = options
-        ops = _extension.compiled_ops().ops   # the raw torch.ops.bandpo_lut: this Function is its own autograd
+        from bandpo_lut.runtime._ops import ops  # the raw torch.ops.bandpo_lut: this Function is its own autograd
         batch, steps, width = hidden.shape
         n_tokens = batch * steps
         dtype = olp.dtype                                         # the loss's compute dtype

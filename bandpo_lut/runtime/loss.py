@@ -17,7 +17,6 @@ import math
 
 import torch
 
-from bandpo_lut.runtime import _extension
 from bandpo_lut.runtime import loss_spec as _spec
 from bandpo_lut.runtime import settings as _settings
 from bandpo_lut.runtime import table_cache as _cache
@@ -64,7 +63,9 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
         eps_low=eps_low, eps_high=eps_high), "policy_loss")
     lp, olp, adv, mask, delta_t, op_settings = op_inputs(log_prob, old_log_prob, advantages, mask, settings)
     args = (lp, olp, adv, mask, delta_t, *op_settings, _spec.AGG_ID[settings.agg])
-    loss, metrics, _ = _extension.compiled_ops().policy_loss_fwd(*args)   # the one place a route is chosen
+    from bandpo_lut.runtime import _ops  # loads the library on first use, not at import
+
+    loss, metrics, _ = _ops.policy_loss_fwd(*args)   # the one place a route is chosen
     return loss, dict(zip(_spec.METRICS, metrics.unbind()))
 
 
