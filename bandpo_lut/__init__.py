@@ -41,8 +41,8 @@ __all__ = ["bounds", "clip", "policy_loss", "fused_linear_policy_loss", "BandPol
 
 
 def __getattr__(name: str):
-    # `bandpo_lut.reference.bounds(...)` (the float64 table reader) works after `import bandpo_lut` alone,
-    # without importing the references with the package.
+    # `bandpo_lut.reference.bounds(...)` (the float64 table reader) and `bandpo_lut.reference.policy_loss` (the
+    # loss's specification) work after `import bandpo_lut` alone, without importing the references with the package.
     if name == "fused_linear_policy_loss":   # its module is small, but keep `import bandpo_lut` minimal
         from bandpo_lut.runtime.fused_linear import fused_linear_policy_loss
 

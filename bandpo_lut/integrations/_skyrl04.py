@@ -47,6 +47,9 @@ How it fits SkyRL 0.4 (tested: `TESTED_SKYRL`; read from its source, ``skyrl.bac
 """
 import functools
 import inspect
+import platform
+import sys
+import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from importlib import metadata
 from types import SimpleNamespace
@@ -58,6 +61,26 @@ import bandpo_lut
 
 from ._common import PAPER, check_framework
 from ._skyrl_keys import DEFAULTS, LOSS_NAME, SECTION, unknown_band_keys, unread_band_keys, validate
+
+TESTED_SKYRL = ("0.4.0",)
+
+
+def _check_python() -> None:
+    """SkyRL 0.4 declares Python >= 3.12. What breaks below it: importing its loss path imports ``skyrl.backends``,
+    which builds the Tinker API's pydantic models, and pydantic refuses a ``typing.TypedDict`` field before 3.12
+    with an error that names neither SkyRL nor the Python version. The condition is pydantic's own (the class
+    ``typing.TypedDict`` makes comes from ``typing``), checked before SkyRL is imported: where a program made
+    ``typing.TypedDict`` the ``typing_extensions`` one, as pydantic asks, the loss path imports and runs."""
+    if sys.version_info >= (3, 12) or type(typing.TypedDict("_Probe", {})).__module__ != "typing":
+        return
+    raise ImportError(
+        f"bandpo_lut.integrations.skyrl: the installed skyrl package (SkyRL 0.4) needs Python >= 3.12; this is "
+        f"Python {platform.python_version()} (its import would fail in pydantic, which refuses SkyRL's "
+        f"typing.TypedDict models before 3.12). Use Python >= 3.12 (tested: skyrl {TESTED_SKYRL[-1]}), or "
+        f"skyrl-train 0.3.1 with skyrl uninstalled (requirements-skyrl.txt)")
+
+
+_check_python()
 
 try:
     from skyrl.backends.skyrl_train.utils import off_policy_correction_utils, ppo_utils
@@ -72,7 +95,6 @@ except ImportError as exc:  # pragma: no cover - exercised only with a broken sk
 __all__ = ["BandPOAlgorithmConfig", "BandPOTrainConfig", "BandPOTrainerConfig", "LOSS_NAME", "TESTED_SKYRL",
            "check_config", "compute_policy_loss_bandpo"]
 
-TESTED_SKYRL = ("0.4.0",)
 _EXPECTED_PARAMS = ("log_probs", "old_log_probs", "advantages", "config", "loss_mask", "rollout_logprobs")
 
 
