@@ -15,6 +15,7 @@ Times are the median of --repeats calls after a warm-up; ratios are taken within
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -90,11 +91,15 @@ def check_json_path(path: str) -> None:
     if not os.path.isdir(folder):
         raise UsageError(f"--json: cannot write {path}: folder {folder} does not exist")
     try:
-        if os.path.exists(path):
+        if os.path.isfile(path):
             open(path, "ab").close()
-        else:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            os.unlink(path)
+        elif os.path.exists(path):         # /dev/stdout, a FIFO: opening one could wait for a reader
+            if not os.access(path, os.W_OK):
+                raise PermissionError(errno.EACCES, "permission denied")
+        else:                              # new (a dangling link: its target is new)
+            target = os.path.realpath(path)
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            os.unlink(target)
     except OSError as e:
         raise UsageError(f"--json: cannot write {path}: {e.strerror or e}") from None
 
