@@ -4,6 +4,7 @@ naming it and exits 2, never a traceback; `verify` reports every file; `verify -
 table, and Ctrl-C leaves no traceback and no file; `verify` refuses a huge file unread; `bench` shows its progress."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
@@ -323,3 +324,20 @@ def test_bench_shows_progress_per_row_as_it_goes(tmp_path):
     assert running, first
     assert "bench: [" not in out.decode()        # stdout: the table only, as before
     assert re.search(r"peak extra memory, fwd\+bwd: fused [0-9.]+ MB", out.decode()), out.decode()[-2000:]
+
+
+def test_bench_fused_linear_measures_each_row_in_a_child_and_says_so_as_it_goes(tmp_path):
+    """Tiny sizes: each of the four (V, head) x (unfused, fused) children is announced on stderr before it runs,
+    and each row's peak memory is at least what the unfused path must hold beyond the gradients (the logits)."""
+    args = ["--fused-linear", "--fl-tokens", "64", "--fl-hidden", "16", "--fl-vocab", "4096", "--fl-repeats", "1",
+            "--json", tmp_path / "fl.json"]
+    r = run_fresh(["-m", "bandpo_lut.cli", "bench", *args], cwd=tmp_path, env=_bench_env(tmp_path), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if line.startswith("bench: [")]
+    assert [line.split("]")[0] for line in lines] == [f"bench: [{k}/4" for k in range(1, 5)], r.stderr
+    assert [line.split(", ")[-1] for line in lines] == ["unfused path (a child process)", "fused path (a child "
+                                                        "process)"] * 2, lines
+    rows = json.loads((tmp_path / "fl.json").read_text())["fused_linear_rows"]
+    assert [(row["vocab"], row["head"]) for row in rows] == [(4096, "frozen"), (4096, "trained")]
+    for row in rows:
+        assert row["unfused_mb"] >= 64 * 4096 * 4 / 2 ** 20 and row["unfused_s"] > 0 and row["fused_s"] > 0, row
