@@ -7,7 +7,8 @@ For each vocabulary size, LM head frozen (LoRA-style: no weight gradient) and tr
 fresh process: one warm-up step, then one measured step for memory, then --fl-repeats timed steps
 (fwd+bwd; the median is reported). Peak extra memory as `bandpo_lut.cli.bench.measure` reads it (CPU: the
 resident-set high-water mark; CUDA: the caching allocator's peak). The gradients of hidden and weight (which any
-path must hold) are subtracted and shown apart.
+path must hold) are subtracted and shown apart. A row whose estimated memory (`row_bytes`) exceeds what the
+device has free is skipped before its child starts, saying why; each child is announced on stderr as it starts.
 """
 from __future__ import annotations
 
