@@ -11,7 +11,8 @@ With --fused-linear, only the section of `bandpo_lut.cli.bench.fused_linear` (un
 Then the accuracy of `clip`'s bounds against mpmath at random points, and (CPU) the peak extra memory of
 the fused and the eager loss, measured in fresh subprocesses from the resident-set high-water mark.
 
-Times are the median of --repeats calls after a warm-up; ratios are taken within this one run.
+Times are the median of --repeats calls after a warm-up; ratios are taken within this one run. Each row says on
+stderr when it is done (a default run takes about a minute); the table comes at the end, on stdout.
 """
 from __future__ import annotations
 
