@@ -290,6 +290,8 @@ def run(args) -> int:
     row("tv closed form, plain PyTorch", lambda: tv_closed_form(ratio, p, 0.05))
     row("chi2 closed form, plain PyTorch", lambda: chi2_closed_form(ratio, p, 0.05))
     if not args.skip_bisection:
+        print("bench: the kl bisection row is next, the slowest by far (seconds to minutes; --skip-bisection skips "
+              "it)", file=sys.stderr, flush=True)
         row("kl bisection, 50 steps (published approach)",
             lambda: torch.clamp(ratio, *kl_bisection(p, 0.05)), repeats=max(1, min(reps, 2)))
     row("bandpo_lut.bounds kl, scalar delta", lambda: bandpo_lut.bounds(p, 0.05))
