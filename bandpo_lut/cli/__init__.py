@@ -20,7 +20,8 @@ from bandpo_lut.cli.args import UsageError
 SUBCOMMANDS = {
     "generate": ("bandpo_lut.cli.generate", "compute a bound table for one divergence with mpmath"),
     "verify": ("bandpo_lut.cli.verify", "check table files against mpmath and for monotonicity"),
-    "demo": ("bandpo_lut.cli.demo.command", "toy GRPO run comparing canonical clip, clip-higher, DCPO and BandPO"),
+    "demo": ("bandpo_lut.cli.demo.command",
+             "toy GRPO run comparing canonical clip, clip-higher, DCPO, DPPO and BandPO"),
     "plot": ("bandpo_lut.cli.plot", "plot the bands against p, with the fixed clips overlaid"),
     "bench": ("bandpo_lut.cli.bench.command", "time clip and the fused loss against torch baselines"),
     "info": ("bandpo_lut.cli.info", "build information and each table's provenance"),

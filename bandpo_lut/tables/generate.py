@@ -77,6 +77,9 @@ def _check_grid(div, t_max, t_density, delta_min, delta_max) -> None:
 # the square of the digits): every node of the ghost-extended grid, and three per accuracy point.
 SECONDS_PER_SOLVE = 1.5e-3
 COST_LIMIT = 4e6          # ~1.7 CPU-hours, 60 times the default table; --allow-expensive runs past it
+# Most worker processes a run may ask for (each holds an interpreter with mpmath: tens of MB); a run never starts
+# more than it has rows of log(delta) to hand out.
+MAX_WORKERS = 256
 _COST_ARGS = ("t_max", "t_density", "s_nodes", "ghost", "dps", "accuracy_points")
 
 
@@ -180,7 +183,7 @@ def generate(divergence, *, t_max, t_density, delta_min, delta_max, s_nodes, gho
         ss = [mpmath.nstr(mpmath.log(delta_min) + (j - ghost) * (mpmath.log(delta_max) - mpmath.log(delta_min))
                           / (s_nodes - 1), dps) for j in range(s_nodes + 2 * ghost)]
     jobs = [(div.name, ts, s, dps) for s in ss]
-    workers = workers or os.cpu_count() or 1
+    workers = min(workers or os.cpu_count() or 1, len(jobs))     # a worker per row at the most: the rest would idle
     started = time.time()
     results = []
     bar = None

@@ -10,6 +10,8 @@ import contextlib
 import functools
 import math
 import os
+import stat
+import struct
 import threading
 from dataclasses import dataclass, field
 from importlib import resources
@@ -173,10 +175,39 @@ class Table:
         return cached
 
 
+# The largest file `load` reads. The costliest table `generate` makes without --allow-expensive holds about 4e6
+# coefficients per array, 64 MB in float64: a file 16 times that is not a table, and is refused unread.
+MAX_FILE_BYTES = 2 ** 30
+
+
+def read_checked(path: str | os.PathLike) -> table_format.TableFile:
+    """`table_format.read`, with what can be told from the first bytes and the file's size checked before the
+    rest is read: a foreign file (its magic bytes), a header longer than the file, a file past MAX_FILE_BYTES,
+    something that is not a regular file (a FIFO would block the read)."""
+    source = str(path)
+    if not stat.S_ISREG(os.stat(path).st_mode):     # before opening: opening a FIFO waits for a writer
+        raise TableFormatError(f"{source}: not a regular file, so not a bandpo_lut table")
+    with open(path, "rb") as fh:
+        info = os.fstat(fh.fileno())
+        prefix = fh.read(len(table_format.MAGIC) + 8)
+        if len(prefix) < len(table_format.MAGIC) + 8 or not prefix.startswith(table_format.MAGIC):
+            table_format.decode(prefix, source)         # raises its bad-magic error
+        if info.st_size > MAX_FILE_BYTES:
+            raise TableFormatError(f"{source}: {info.st_size} bytes, past the {MAX_FILE_BYTES} bytes a "
+                                   "bandpo_lut table can have (the header is right, the file is not a table: "
+                                   "damaged, or data appended to it); not read")
+        version, header_len = struct.unpack_from("<II", prefix, len(table_format.MAGIC))
+        if version == table_format.FORMAT_VERSION and len(prefix) + header_len > info.st_size:
+            raise TableFormatError(f"{source}: truncated table (header needs {header_len} bytes, file has "
+                                   f"{info.st_size - len(prefix)})")
+        return table_format.decode(prefix + fh.read(), source)
+
+
 def load(path: str | os.PathLike, divergence: str | None = None) -> Table:
-    """Read and validate a table file (refusing foreign, corrupt, truncated, edited, old-format or too-new
-    files). With `divergence`, the file must hold that divergence's table."""
-    table = Table.from_file(table_format.read(path), str(path))
+    """Read and validate a table file (refusing foreign, corrupt, truncated, edited, old-format, too-new or
+    oversized files; the size before the file is read). With `divergence`, the file must hold that divergence's
+    table."""
+    table = Table.from_file(read_checked(path), str(path))
     if divergence is not None and table.divergence.name != divergence:
         raise TableFormatError(f"{path}: expected the {divergence!r} table, found the {table.divergence.name!r} "
                                f"table (header field 'divergence.name'; another divergence's file copied over "

@@ -26,6 +26,16 @@ def test_every_command_has_help(command, capsys):
         assert action.help and action.help != argparse.SUPPRESS, (command, action.option_strings or action.dest)
 
 
+def test_top_level_help_names_every_method_the_demo_compares(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())        # argparse wraps the help lines
+    demo = text.split(" demo ", 1)[1].split(" plot ", 1)[0]
+    for method in ("canonical clip", "clip-higher", "DCPO", "DPPO", "BandPO"):   # the demo's five (docs/demo.md)
+        assert method in demo, (method, demo)
+
+
 def test_unknown_command_is_an_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["frobnicate"])
@@ -255,3 +265,38 @@ def test_generate_and_verify_cli(tmp_path, capsys):
         main(["generate", "--divergence", "kl", "--s-nodes", "2"])
     with pytest.raises(SystemExit):
         main(["generate"])      # --divergence is required
+
+
+def _imports_of(path, package):
+    """The bandpo_lut modules a file imports, at its top or inside a function."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)   # `from pkg import module`
+    return {name for name in found if name.startswith(package)}
+
+
+def test_the_bench_modules_import_no_cycle_and_run_no_code_strings():
+    """`bench`'s modules import downward only (command -> fused_linear -> measure; the child imports the two
+    it measures), and its child processes run a module (`python -m`), not code kept in a string (`-c`)."""
+    from pathlib import Path
+
+    import bandpo_lut.cli.bench as bench_package
+
+    folder = Path(bench_package.__file__).parent
+    package = "bandpo_lut.cli.bench"
+    graph = {f"{package}.{p.stem}": _imports_of(p, package) - {package} for p in folder.glob("*.py")
+             if p.stem != "__init__"}
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph.get(start, ()))
+
+    cycles = [m for m in graph if reaches(m, m)]
+    assert not cycles, {m: graph[m] for m in cycles}
+    for path in folder.glob("*.py"):
+        assert '"-c"' not in path.read_text(), path.name

@@ -1,12 +1,16 @@
 """The command line as a user meets it, in fresh processes: a bad argument prints one argparse-style line
 naming it and exits 2, never a traceback; `verify` reports every file; `verify --tolerance 0` is honoured;
-`generate` checks its output path and --t-max before computing, and Ctrl-C leaves no traceback and no file."""
+`generate` checks its output path and --t-max before computing, replaces only a regular file, never another run's
+table, and Ctrl-C leaves no traceback and no file; `verify` refuses a huge file unread; `bench` shows its progress."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import time
@@ -213,3 +217,131 @@ def test_bench_fused_linear_exits_non_zero_when_its_rows_fail(tmp_path):
     errors = [line for line in r.stderr.splitlines() if line.startswith("bandpo-lut bench: error: ")]
     assert len(errors) == 1 and "2 of 2 fused-linear rows failed" in errors[0] and "--fl-vocab 100000000" in \
         errors[0], r.stderr[-2000:]
+
+
+def _make_special(kind, path):
+    """Make a FIFO, a character device (a second /dev/null: major 1, minor 3, made here, the real one untouched), a
+    socket or a symbolic link to a FIFO at `path`; skip where this machine does not allow it, saying why."""
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        try:
+            os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("making a device node needs root (CAP_MKNOD); the FIFO case covers the rest")
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        try:
+            sock.bind(str(path))
+        except OSError as e:            # e.g. a temporary folder deeper than a socket path may be (~107 bytes)
+            pytest.skip(f"cannot make a socket at {path}: {e}")
+        finally:
+            sock.close()
+    else:
+        os.mkfifo(path.with_suffix(".fifo"))
+        path.symlink_to(path.with_suffix(".fifo"))
+
+
+@pytest.mark.parametrize("kind, what", [("fifo", "is a FIFO (named pipe)"), ("device", "is a character device"),
+                                        ("socket", "is a socket"),
+                                        ("link", "is a symbolic link to a FIFO (named pipe)")])
+def test_generate_force_replaces_only_a_regular_file(kind, what, tmp_path):
+    """--force consents to replacing a file: a FIFO, a device node or a socket at --out (as /dev/null would be
+    for root) is refused before computing, naming what it is, and left as it was."""
+    out = tmp_path / "out.bplut"
+    _make_special(kind, out)
+    before = os.stat(out)                      # followed through the link: what the user would lose
+    r = cli("generate", "--divergence", "kl", "--out", out, *QUICK, "--force", cwd=tmp_path, timeout=120)
+    assert_usage_error(r, "--out", f"{out} {what}, not a regular file")
+    after = os.stat(out)
+    assert stat.S_IFMT(after.st_mode) == stat.S_IFMT(before.st_mode) and after.st_ino == before.st_ino
+    assert out.is_symlink() == (kind == "link")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_two_generate_runs_to_one_new_out_never_replace_each_other(tmp_path):
+    """Both runs check that --out is new before computing; the one that finishes second must not replace the
+    first's table: it exits 1 saying so, and keeps its own table where the message says. Run A is held
+    (SIGSTOP) once it computes, run B writes meanwhile, then A goes on."""
+    out = tmp_path / "kl.bplut"
+    slow = ["--t-density", "4", "--s-nodes", "16", "--ghost", "0", "--dps", "30", "--accuracy-points", "0",
+            "--workers", "1"]
+    a = subprocess.Popen([sys.executable, "-m", "bandpo_lut.cli", "generate", "--divergence", "kl", "--out",
+                          str(out), *slow], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+                         env=fresh_env(), start_new_session=True)
+    try:
+        err = _read_until(a.stderr.fileno(), lambda text: "rows of log(delta)" in text, 120)
+        a.send_signal(signal.SIGSTOP)          # past its check, computing
+        assert "rows of log(delta)" in err and a.poll() is None, err
+        b = cli("generate", "--divergence", "kl", "--out", out, *QUICK, cwd=tmp_path, timeout=120)
+        assert b.returncode == 0, b.stderr
+        b_table = out.read_bytes()
+        a.send_signal(signal.SIGCONT)
+        a_out, a_err = a.communicate(timeout=120)
+    finally:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+            a.wait()
+    a_err = err + a_err.decode()
+    assert a.returncode == 1, (a.returncode, a_err)
+    assert out.read_bytes() == b_table                           # B's table stands
+    errors = [line for line in a_err.splitlines() if line.startswith("bandpo-lut generate: error: ")]
+    assert len(errors) == 1 and f"{out} was created by another process" in errors[0], a_err
+    kept = re.search(r"this run's table is in (\S+): move it", errors[0]).group(1)
+    a_table = table_format.decode(open(kept, "rb").read())       # A's work, whole, where the message says
+    assert a_table.header["grid"]["s"]["n"] == 16
+    assert table_format.decode(b_table).header["grid"]["s"]["n"] == 4
+
+
+@pytest.mark.parametrize("start", [b"", table_format.MAGIC + b"\x02\x00\x00\x00\x00\x10\x00\x00"])
+def test_verify_refuses_a_huge_file_without_reading_it(start, tmp_path):
+    """A 100 GiB file (sparse: no disk used), foreign or with a table's first bytes: one FAILED line at once,
+    no MemoryError (the whole file used to be read before its magic bytes)."""
+    huge = tmp_path / "huge.bplut"
+    with open(huge, "wb") as fh:
+        fh.write(start)
+        fh.truncate(100 * 2 ** 30)
+    r = cli("verify", huge, "--points", "20", "--dense-p", "200", "--dense-delta", "20", cwd=tmp_path, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "MemoryError" not in r.stderr, r.stderr[-2000:]
+    why = "bad magic bytes" if not start else f"{100 * 2 ** 30} bytes, past the"
+    assert r.stdout.startswith(f"FAILED {huge}: ") and why in r.stdout, r.stdout
+
+
+def test_bench_shows_progress_per_row_as_it_goes(tmp_path):
+    """The table comes at the end (stdout); each row says it is done on stderr while the run goes on."""
+    small = ["--n", "64", "--batch", "2", "--tokens", "64", "--repeats", "1", "--skip-bisection", "--accuracy-points",
+             "5"]
+    proc = subprocess.Popen([sys.executable, "-m", "bandpo_lut.cli", "bench", *small], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=tmp_path, env=_bench_env(tmp_path))
+    try:
+        first = _read_until(proc.stderr.fileno(), lambda text: "\n" in text, 120)
+        running = proc.poll() is None            # the first row was reported before the run ended
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-2000:]
+    lines = [line for line in (first + err.decode()).splitlines() if line.startswith("bench: [")]
+    # nine clip rows, the copy, two loss rows, the accuracy rows, two memory rows
+    assert [line.split("]")[0] for line in lines] == [f"bench: [{k}/15" for k in range(1, 16)], lines
+    assert running, first
+    assert "bench: [" not in out.decode()        # stdout: the table only, as before
+    assert re.search(r"peak extra memory, fwd\+bwd: fused [0-9.]+ MB", out.decode()), out.decode()[-2000:]
+
+
+def test_bench_fused_linear_measures_each_row_in_a_child_and_says_so_as_it_goes(tmp_path):
+    """Tiny sizes: each of the four (V, head) x (unfused, fused) children is announced on stderr before it runs,
+    and each row's peak memory is at least what the unfused path must hold beyond the gradients (the logits)."""
+    args = ["--fused-linear", "--fl-tokens", "64", "--fl-hidden", "16", "--fl-vocab", "4096", "--fl-repeats", "1",
+            "--json", tmp_path / "fl.json"]
+    r = run_fresh(["-m", "bandpo_lut.cli", "bench", *args], cwd=tmp_path, env=_bench_env(tmp_path), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if line.startswith("bench: [")]
+    assert [line.split("]")[0] for line in lines] == [f"bench: [{k}/4" for k in range(1, 5)], r.stderr
+    assert [line.split(", ")[-1] for line in lines] == ["unfused path (a child process)", "fused path (a child "
+                                                        "process)"] * 2, lines
+    rows = json.loads((tmp_path / "fl.json").read_text())["fused_linear_rows"]
+    assert [(row["vocab"], row["head"]) for row in rows] == [(4096, "frozen"), (4096, "trained")]
+    for row in rows:
+        assert row["unfused_mb"] >= 64 * 4096 * 4 / 2 ** 20 and row["unfused_s"] > 0 and row["fused_s"] > 0, row

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 
 import pytest
 
 from bandpo_lut.cli import main
+from bandpo_lut.cli import verify as verify_command
 from bandpo_lut.cli.bench import command as bench
 from bandpo_lut.tables import generate, table_format, verify
 from bandpo_lut.tables import store as tables
@@ -97,6 +99,8 @@ def test_generate_fails_when_the_measured_error_exceeds_the_stamped_tolerance(tm
     acc = table_format.decode(out.read_bytes()).header["accuracy"]
     assert max(acc["upper_max_rel_error"], acc["lower_max_error"]) > acc["tolerance"]   # the stamp is honest
     assert main(args + ["--force", "--allow-inaccurate"]) == 0
+    err = capsys.readouterr().err                  # the run succeeds: a warning, not an error
+    assert "bandpo-lut generate: warning: the measured error" in err and "error:" not in err, err
 
 
 @pytest.mark.parametrize("argv, needles", [
@@ -105,10 +109,78 @@ def test_generate_fails_when_the_measured_error_exceeds_the_stamped_tolerance(tm
     (["bench", "--repeats", "1000000000000"], ["--repeats", "<= "]),
     (["bench", "--accuracy-points", "1000000000000"], ["--accuracy-points", "<= "]),
     (["bench", "--threads", "1000000000000"], ["--threads", "<= "]),
+    (["bench", "--fused-linear", "--fl-repeats", "1000000000"], ["--fl-repeats", "<= "]),
     (["verify", "--points", "1000000000000", "x.bplut"], ["--points", "<= "]),
     (["verify", "--dense-p", "100000000", "--dense-delta", "100000000", "x.bplut"], ["--dense-p", "GiB"]),
 ])
 def test_bench_and_verify_refuse_sizes_past_the_machine(argv, needles, capsys, monkeypatch):
     monkeypatch.setattr(bench, "_lm_like_probs", _must_not_start)    # bench's first allocation
     monkeypatch.setattr(verify, "verify_file", _must_not_start)
+    monkeypatch.setattr(verify_command, "verify_file", _must_not_start)   # imported before: no patched copy kept
     usage_error(argv, capsys, *needles)
+
+
+def test_generate_workers_are_bounded(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("bandpo_lut.cli.generate.generate", _must_not_start)
+    usage_error(["generate", "-d", "kl", "--out", str(tmp_path / "kl.bplut"), *QUICK, "--workers", "100000"],
+                capsys, "--workers", "<= ")
+
+
+def test_generate_starts_no_more_workers_than_rows(monkeypatch):
+    """24 workers asked for a table of 4 rows of log(delta): 4 processes start, not 24 (the table is the same)."""
+    started = []
+    pool = generate._pool_ignoring_sigint
+
+    def counting_pool(ctx, workers):
+        started.append(workers)
+        return pool(ctx, workers)
+
+    monkeypatch.setattr(generate, "_pool_ignoring_sigint", counting_pool)
+    args = dict(t_max=14.0, t_density=1, delta_min=1e-3, delta_max=1.0, s_nodes=4, ghost=0, dps=30,
+                dtype="float32", accuracy_points=0, progress=False)
+    blob = generate.generate("kl", workers=24, **args)
+    assert started == [4]
+    assert blob == generate.generate("kl", workers=1, **args)
+
+
+@pytest.mark.parametrize("where", ["read_only_folder", "proc"])
+def test_bench_json_that_cannot_be_written_is_refused_before_any_row(where, tmp_path, capsys, monkeypatch):
+    if where == "read_only_folder":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only folder; the /proc case covers a folder that refuses")
+        folder = tmp_path / "ro"
+        folder.mkdir()
+        folder.chmod(0o500)
+        path = folder / "bench.json"
+    else:
+        if not os.path.isdir("/proc/self"):
+            pytest.skip("needs Linux /proc, which refuses new files even to root")
+        path = "/proc/bandpo-bench.json"
+    monkeypatch.setattr(bench, "_lm_like_probs", _must_not_start)    # bench's first allocation
+    usage_error(["bench", "--n", "64", "--json", str(path)], capsys, "--json", f"cannot write {path}")
+    assert not os.path.exists(path)
+
+
+def test_bench_fused_linear_skips_a_row_that_cannot_fit_without_running_it(capsys, monkeypatch):
+    """A 400 GB head: the estimate refuses each row before its child process starts, saying what it needs."""
+    monkeypatch.setattr(subprocess, "run", _must_not_start)
+    argv = ["bench", "--fused-linear", "--fl-tokens", "8", "--fl-hidden", "1024", "--fl-vocab", "100000000",
+            "--fl-repeats", "1"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    skipped = [line for line in err.splitlines() if "skipped: the unfused path needs about" in line]
+    assert len(skipped) == 2 and all("GiB is available" in line for line in skipped), err
+    need = float(skipped[0].split("needs about ")[1].split()[0])
+    assert need >= 1e8 * 1024 * 4 / 2 ** 30                    # at least the head itself (float32)
+    assert "2 of 2 fused-linear rows failed" in err
+
+
+def test_bench_fused_linear_row_estimate_covers_the_logits():
+    """What each path must hold: the unfused one the whole (tokens x vocab) logits, the fused one a chunk of them;
+    both the head, and its gradient when trained."""
+    from bandpo_lut.cli.bench import fused_linear
+
+    n, h, v, c = 4096, 1024, 32768, 512
+    assert fused_linear.row_bytes("unfused", n, h, v, False, c) >= 4 * (n * v + v * h)
+    assert fused_linear.row_bytes("fused", n, h, v, True, c) >= 4 * (2 * v * h + c * v)
+    assert fused_linear.row_bytes("fused", n, h, v, False, c) < fused_linear.row_bytes("unfused", n, h, v, False, c)

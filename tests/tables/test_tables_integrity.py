@@ -287,6 +287,53 @@ def test_corrupt_truncated_foreign_and_newer_files_are_refused(small_blob, tmp_p
     refused(bad_header, "corrupt table header")
 
 
+def test_what_the_first_bytes_and_the_size_tell_is_refused_before_the_file_is_read(small_blob, tmp_path, monkeypatch):
+    """A table's first 18 bytes, then a sparse tail to 100 GiB; a header longer than the file; a FIFO (whose open
+    would wait for a writer): each refused without reading the rest (`read` is watched)."""
+    import builtins
+    import os
+
+    sizes = []
+
+    class Watched:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def fileno(self):
+            return self.fh.fileno()
+
+        def read(self, n=-1):
+            sizes.append(n)
+            return self.fh.read(n)
+
+    monkeypatch.setattr(tables, "open", lambda *a, **k: Watched(builtins.open(*a, **k)), raising=False)
+    huge = tmp_path / "huge.bplut"
+    with open(huge, "wb") as fh:
+        fh.write(small_blob[:_PREFIX])
+        fh.truncate(100 * 2 ** 30)
+    with pytest.raises(table_format.TableFormatError, match=f"{100 * 2 ** 30} bytes, past the"):
+        tables.load(huge)
+    assert sizes == [_PREFIX], sizes                      # the prefix only
+    short = tmp_path / "short.bplut"
+    short.write_bytes(small_blob[:_PREFIX + 5])
+    with pytest.raises(table_format.TableFormatError, match="truncated table"):
+        tables.load(short)
+    fifo = tmp_path / "fifo.bplut"
+    os.mkfifo(fifo)
+    with pytest.raises(table_format.TableFormatError, match="not a regular file"):
+        tables.load(fifo)
+    monkeypatch.undo()
+    whole = tmp_path / "kl.bplut"
+    whole.write_bytes(small_blob)
+    assert tables.load(whole).divergence.name == "kl"                          # a table still loads
+
+
 def test_write_is_atomic_and_leaves_no_temporaries(small_blob, tmp_path):
     out = tmp_path / "sub" / "kl.bplut"
     table_format.write_atomic(out, small_blob)

@@ -11,15 +11,18 @@ With --fused-linear, only the section of `bandpo_lut.cli.bench.fused_linear` (un
 Then the accuracy of `clip`'s bounds against mpmath at random points, and (CPU) the peak extra memory of
 the fused and the eager loss, measured in fresh subprocesses from the resident-set high-water mark.
 
-Times are the median of --repeats calls after a warm-up; ratios are taken within this one run.
+Times are the median of --repeats calls after a warm-up; ratios are taken within this one run. Each row says on
+stderr when it is done (a default run takes about a minute); the table comes at the end, on stdout.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
@@ -74,12 +77,38 @@ def _check_args(args):
     # about sixteen of batch x tokens: refuse before allocating what the device does not have.
     check_memory("--n/--batch/--tokens", 4 * (12 * args.n + 16 * args.batch * args.tokens), device)
     if args.json is not None:
-        if os.path.isdir(args.json):
-            raise UsageError(f"--json: cannot write {args.json}: is a directory")
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(folder):
-            raise UsageError(f"--json: cannot write {args.json}: folder {folder} does not exist")
+        check_json_path(args.json)
     return device
+
+
+def check_json_path(path: str) -> None:
+    """Raise UsageError naming --json unless `path` can be written, found before any row runs: an existing file
+    is opened for appending (nothing written), a new one created and removed again."""
+    from bandpo_lut.cli.args import UsageError
+
+    if os.path.isdir(path):
+        raise UsageError(f"--json: cannot write {path}: is a directory")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"--json: cannot write {path}: folder {folder} does not exist")
+    try:
+        if os.path.isfile(path):
+            open(path, "ab").close()
+        elif os.path.exists(path):         # /dev/stdout, a FIFO: opening one could wait for a reader
+            if not os.access(path, os.W_OK):
+                raise PermissionError(errno.EACCES, "permission denied")
+        else:                              # new (a dangling link: its target is new)
+            target = os.path.realpath(path)
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            os.unlink(target)
+    except OSError as e:
+        raise UsageError(f"--json: cannot write {path}: {e.strerror or e}") from None
+
+
+def progress(step: int, total: int, what: str) -> None:
+    """One line per finished row on stderr (the table goes to stdout at the end), so that a run of a minute is
+    seen to advance."""
+    print(f"bench: [{step}/{total}] {what}", file=sys.stderr, flush=True)
 
 
 # Bytes each clip row must move per element at the least (float32): what it reads (ratio, p or log p, a per-token δ)
@@ -242,15 +271,27 @@ def run(args) -> int:
     ratio = torch.exp(torch.randn(n, generator=torch.Generator().manual_seed(2)) * 0.3).to(device)
     delta_t = torch.full((n,), 0.05, device=device)
     rows = []
+    memory = device.type == "cpu" and not args.skip_memory
+    # the clip rows, the copy, the two loss rows, the accuracy rows, the two memory rows
+    total = 9 + (not args.skip_bisection) + 1 + 2 + bool(args.accuracy_points) + 2 * memory
+    done = 0
+
+    def advance(what, seconds=None):
+        nonlocal done
+        done += 1
+        progress(done, total, what + (f": {seconds * 1e3:.3f} ms/call" if seconds is not None else ""))
+        return seconds
 
     def row(name, fn, repeats=reps):
-        rows.append((name, timeit(fn, device, repeats)))
+        rows.append((name, advance(name, timeit(fn, device, repeats))))
 
     log_p = torch.log(p)
     row("torch.clamp(ratio, 0.8, 1.28)", lambda: torch.clamp(ratio, 0.8, 1.28))
     row("tv closed form, plain PyTorch", lambda: tv_closed_form(ratio, p, 0.05))
     row("chi2 closed form, plain PyTorch", lambda: chi2_closed_form(ratio, p, 0.05))
     if not args.skip_bisection:
+        print("bench: the kl bisection row is next, the slowest by far (seconds to minutes; --skip-bisection skips "
+              "it)", file=sys.stderr, flush=True)
         row("kl bisection, 50 steps (published approach)",
             lambda: torch.clamp(ratio, *kl_bisection(p, 0.05)), repeats=max(1, min(reps, 2)))
     row("bandpo_lut.bounds kl, scalar delta", lambda: bandpo_lut.bounds(p, 0.05))
@@ -260,12 +301,12 @@ def run(args) -> int:
     row("bandpo_lut.clip tv, scalar delta", lambda: bandpo_lut.clip(ratio, p, 0.05, "tv"))
     row("bandpo_lut.clip chi2, scalar delta", lambda: bandpo_lut.clip(ratio, p, 0.05, "chi2"))
     # The bandwidth unit: a device-to-device copy of one float32 tensor (read + write, 8 bytes per element).
-    copy_t = timeit(lambda: ratio.clone(), device, reps)
+    copy_t = advance("ratio.clone() (the bandwidth unit)", timeit(lambda: ratio.clone(), device, reps))
     batch = _loss_batch(args.batch, args.tokens, device)
-    loss_rows = [(f"canonical eager PPO loss ({args.batch}x{args.tokens}), fwd+bwd",
-                  timeit(lambda: _loss_step("eager", batch), device, reps)),
-                 (f"bandpo_lut.policy_loss band ({args.batch}x{args.tokens}), fwd+bwd",
-                  timeit(lambda: _loss_step("fused", batch), device, reps))]
+    loss_rows = []
+    for kind, name in (("eager", f"canonical eager PPO loss ({args.batch}x{args.tokens}), fwd+bwd"),
+                       ("fused", f"bandpo_lut.policy_loss band ({args.batch}x{args.tokens}), fwd+bwd")):
+        loss_rows.append((name, advance(name, timeit(lambda: _loss_step(kind, batch), device, reps))))
 
     clamp_t = rows[0][1]
     eager_t = loss_rows[0][1]
@@ -296,14 +337,17 @@ def run(args) -> int:
             rlo, rup = accuracy.exact_bounds_f64(p32.double().numpy(), d32.double().numpy(), name)
             eu, el = accuracy.float32_worst(lo.cpu().numpy(), up.cpu().numpy(), rlo, rup)
             worst.append((name, eu, el))
+        advance(f"accuracy vs mpmath, {args.accuracy_points} points per divergence")
         print("accuracy of bandpo_lut.bounds (float32 in, per-token delta) vs mpmath, "
               f"{args.accuracy_points} random points each:")
         for name, eu, el in worst:
             print(f"  {name:5s} upper max rel err {eu:.2e}   lower max err {el:.2e} (|dr|/(r(1+|ln r|)))")
-    if device.type == "cpu" and not args.skip_memory:
+    if memory:
         size_mb = args.batch * args.tokens * 4 / 2 ** 20
         fused = peak_extra_memory_mb("fused", args.batch, args.tokens)
+        advance("peak memory of the fused loss (a child process)")
         eager = peak_extra_memory_mb("eager", args.batch, args.tokens)
+        advance("peak memory of the eager loss (a child process)")
         if fused is None or eager is None:
             print("peak extra memory: not measurable here (needs Linux /proc)")
         else:

@@ -7,7 +7,8 @@ For each vocabulary size, LM head frozen (LoRA-style: no weight gradient) and tr
 fresh process: one warm-up step, then one measured step for memory, then --fl-repeats timed steps
 (fwd+bwd; the median is reported). Peak extra memory as `bandpo_lut.cli.bench.measure` reads it (CPU: the
 resident-set high-water mark; CUDA: the caching allocator's peak). The gradients of hidden and weight (which any
-path must hold) are subtracted and shown apart.
+path must hold) are subtracted and shown apart. A row whose estimated memory (`row_bytes`) exceeds what the
+device has free is skipped before its child starts, saying why; each child is announced on stderr as it starts.
 """
 from __future__ import annotations
 
@@ -19,9 +20,13 @@ import torch
 
 from bandpo_lut.cli.bench import measure
 
+# Upper end of --fl-repeats: each timed step of a large row takes seconds (the sizes are bounded by memory, row by
+# row, in `run`).
+MAX_FL_REPEATS = 10_000
+
 
 def add_arguments(parser):
-    from bandpo_lut.cli.args import int_at_least
+    from bandpo_lut.cli.args import int_at_least, int_in
 
     parser.add_argument("--fused-linear", action="store_true",
                         help="only the fused-linear section: unfused vs fused_linear_policy_loss, memory and time")
@@ -29,7 +34,7 @@ def add_arguments(parser):
     parser.add_argument("--fl-hidden", type=int_at_least(1), default=1024, help="hidden size H (default 1024)")
     parser.add_argument("--fl-vocab", type=int_at_least(2), nargs="+", default=[32768, 131072],
                         help="vocabulary sizes V (default 32768 131072)")
-    parser.add_argument("--fl-repeats", type=int_at_least(1), default=3,
+    parser.add_argument("--fl-repeats", type=int_in(1, MAX_FL_REPEATS), default=3,
                         help="timed steps per row after the warm-up and the memory step (default 3)")
     parser.add_argument("--fl-chunk", type=int_at_least(1), default=None,
                         help="chunk_size of the fused path (default: fused_linear_policy_loss's)")
@@ -60,6 +65,30 @@ def step(kind, inputs, chunk=None):
     loss.backward()
 
 
+def row_bytes(kind, tokens, hidden, vocab, train, chunk) -> int:
+    """About the memory one configuration's child holds at its peak (float32): hidden and its gradient, the head
+    (and its gradient when trained), and about four (tokens or chunk) x vocab tensors of logits, their log-softmax
+    and the gradients of both (the unfused path holds the whole logits; the fused one a chunk at a time)."""
+    rows = tokens if kind == "unfused" else min(chunk, tokens)
+    return 4 * (2 * tokens * hidden + (1 + bool(train)) * vocab * hidden + 4 * rows * vocab)
+
+
+def _too_big(tokens, hidden, vocab, train, chunk, device) -> str | None:
+    """Why a row cannot run here (an estimate past the memory available), or None."""
+    from bandpo_lut.cli.args import available_memory
+
+    needs = [(device, f"the {kind} path", row_bytes(kind, tokens, hidden, vocab, train, chunk))
+             for kind in ("unfused", "fused")]
+    if device.type == "cuda":     # the inputs are drawn on the host first
+        needs.append((torch.device("cpu"), "drawing the inputs", 4 * (tokens + vocab) * hidden))
+    for where, what, need in needs:
+        have = available_memory(where)
+        if have is not None and need > have:
+            return (f"skipped: {what} needs about {need / 2 ** 30:.3g} GiB on {where}, only "
+                    f"{have / 2 ** 30:.3g} GiB is available")
+    return None
+
+
 def measure_row(kind, tokens, hidden, vocab, train, repeats, chunk, device, threads):
     """(peak extra bytes, median seconds) of one configuration, in a fresh process; None if it failed."""
     if device.type == "cpu" and not measure.cpu_peak_measurable():
@@ -84,12 +113,25 @@ def run(args, device) -> int:
     print(f"{'V':>7s} {'head':>7s} {'chunk':>6s} {'grads MB':>9s} {'unfused MB':>11s} {'fused MB':>9s} "
           f"{'mem ratio':>9s} {'unfused s':>10s} {'fused s':>8s} {'time ratio':>10s}")
     rows, failed = [], []
+    total, done = 2 * 2 * len(args.fl_vocab), 0
     for vocab in args.fl_vocab:
         chunk = args.fl_chunk or default_chunk_size(n, vocab)
         for train in (False, True):
+            head = "trained" if train else "frozen"
             grads = 4 * (n * hdim + (vocab * hdim if train else 0))
-            un = measure_row("unfused", n, hdim, vocab, train, reps, args.fl_chunk, device, args.threads)
-            fu = measure_row("fused", n, hdim, vocab, train, reps, args.fl_chunk, device, args.threads)
+            why = _too_big(n, hdim, vocab, train, chunk, device)
+            if why is not None:
+                done += 2
+                print(f"  (V={vocab}, head {head}: {why})", file=sys.stderr)
+                failed.append(f"V={vocab} head {head}")
+                continue
+            results = []
+            for kind in ("unfused", "fused"):
+                done += 1
+                print(f"bench: [{done}/{total}] V={vocab}, head {head}, {kind} path (a child process)",
+                      file=sys.stderr, flush=True)
+                results.append(measure_row(kind, n, hdim, vocab, train, reps, args.fl_chunk, device, args.threads))
+            un, fu = results
             if un is None or fu is None:
                 failed.append(f"V={vocab} head {'trained' if train else 'frozen'}")
                 continue
