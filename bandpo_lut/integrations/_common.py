@@ -107,8 +107,3 @@ def check_framework(package: str, version: str, tested: tuple, problems: list[st
         warnings.warn(f"bandpo_lut.integrations.{module}: {package} {version} is not one of the "
                       f"tested versions ({tested_txt}); the parts of {package} it relies on are "
                       f"where it expects them, so it is used", UserWarning, stacklevel=3)
-
-
-def check_band(divergence, delta, max_ratio, *, field: dict) -> None:
-    """The band's three options through LossSettings with the user's names (OpenRLHF's BandSettings)."""
-    loss_settings(dict(divergence=divergence, delta=delta, max_ratio=max_ratio), field)
