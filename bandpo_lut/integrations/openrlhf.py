@@ -12,7 +12,8 @@ How it fits OpenRLHF (tested: `TESTED_OPENRLHF`):
   ``openrlhf.models.loss``, ``openrlhf.models`` and the PPO actor module to `BandPolicyLoss` (with the band's
   LossSettings) and makes the actor's training step log the band metrics; the launcher has Ray run it in
   every worker process (`activate_from_env`, with the options in ``$BANDPO_OPENRLHF``).
-- **Options**: `band_settings` builds the band's `bandpo_lut.LossSettings` from the launcher's ``--band.*``
+- **Options** (`bandpo_lut.integrations._openrlhf_options`, shared with the launcher, which imports no
+  OpenRLHF): `band_settings` builds the band's `bandpo_lut.LossSettings` from the launcher's ``--band.*``
   (defaults: the paper's), each bad value refused naming its ``--band.*`` argument; `check_openrlhf_args`
   refuses the OpenRLHF arguments the band cannot train.
 - **Loss**: `BandPolicyLoss` subclasses OpenRLHF's ``PolicyLoss`` and keeps its call convention
@@ -38,7 +39,6 @@ import dataclasses
 import functools
 import importlib
 import inspect
-import json
 import os
 import sys
 import types
@@ -53,13 +53,13 @@ import bandpo_lut
 from bandpo_lut.runtime import loss_spec
 from bandpo_lut.runtime.settings import LossSettings
 
-from ._common import PAPER, check_framework, check_route, loss_settings
+from ._common import check_framework, check_route
+from ._openrlhf_options import ENV, NAMES, band_from_json, band_settings, check_openrlhf_args
 
 __all__ = ["TESTED_OPENRLHF", "BandPolicyLoss", "activate", "activate_from_env", "band_settings",
            "check_openrlhf_args"]
 
 TESTED_OPENRLHF = ("0.11.2",)
-ENV = "BANDPO_OPENRLHF"   # the band's options, as JSON, for the Ray workers' `activate_from_env`
 _FORWARD_PARAMS = ("self", "log_probs", "old_log_probs", "advantages", "action_mask",
                    "rollout_log_probs", "dp_size", "batch_num_tokens", "global_batch_size")
 _INIT_PARAMS = ("clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type",
@@ -125,35 +125,6 @@ def _check_openrlhf() -> None:
 _check_openrlhf()
 
 
-# The band's options (the launcher's --band.*) and the argument that sets each.
-OPTIONS = ("divergence", "delta", "max_ratio", "dual_clip", "clip")
-_NAMES = {option: f"--band.{option}" for option in OPTIONS}
-
-
-def band_settings(divergence: str = PAPER["divergence"], delta: float = PAPER["delta"],
-                  max_ratio: Optional[float] = PAPER["max_ratio"], dual_clip: Optional[float] = PAPER["dual_clip"],
-                  clip: str = "band") -> LossSettings:
-    """The band's LossSettings (defaults: the paper's), each bad value refused naming its ``--band.*``
-    argument. ``clip``: "band", or "fixed" for OpenRLHF's own clip (with the band metrics)."""
-    check_route(clip, _NAMES["clip"])
-    return loss_settings(dict(divergence=divergence, delta=delta, max_ratio=max_ratio, dual_clip=dual_clip,
-                              clip=clip), _NAMES)
-
-
-def check_openrlhf_args(policy_loss_type="ppo", is_correction_level="off", loss_agg_mode="token-mean"):
-    """Refuse the OpenRLHF settings the band does not train, naming OpenRLHF's argument."""
-    if policy_loss_type != "ppo":
-        raise ValueError(f"--actor.policy_loss_type={policy_loss_type!r} is not supported with BandPO: "
-                         f"use 'ppo' (gspo uses one sequence-level ratio, which the per-token band "
-                         f"does not bound)")
-    if is_correction_level != "off":
-        raise ValueError(f"--algo.advantage.is_correction_level={is_correction_level!r} is not supported "
-                         f"with BandPO (the train/rollout IS correction is not carried over): use 'off'")
-    if loss_agg_mode not in ("token-mean", "seq-mean-token-mean"):
-        raise ValueError(f"--actor.loss_agg_mode must be 'token-mean' or 'seq-mean-token-mean', got "
-                         f"{loss_agg_mode!r}")
-
-
 _warned_dual = False
 
 
@@ -167,7 +138,7 @@ class BandPolicyLoss(PolicyLoss):
     def __init__(self, *args, band: Optional[LossSettings] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.band = band or type(self).activated or band_settings()
-        check_route(self.band.clip, _NAMES["clip"])
+        check_route(self.band.clip, NAMES["clip"])
         if self.band.clip == "band":
             check_openrlhf_args(self.policy_loss_type, self.is_correction_level)
             global _warned_dual
@@ -266,13 +237,8 @@ def activate(settings: Optional[LossSettings] = None, *, patch_actor: bool = Tru
     return cls
 
 
-def band_options_json(settings: LossSettings) -> str:
-    """The band's options of ``settings`` as `activate_from_env` reads them from ``$BANDPO_OPENRLHF``."""
-    return json.dumps({option: getattr(settings, option) for option in OPTIONS})
-
-
 def activate_from_env() -> None:
     """Ray's ``worker_process_setup_hook``: `activate` with the band options in ``$BANDPO_OPENRLHF``."""
     raw = os.environ.get(ENV)
     if raw:
-        activate(band_settings(**json.loads(raw)))
+        activate(band_from_json(raw))

@@ -25,14 +25,15 @@ from typing import Optional
 
 from bandpo_lut.runtime.settings import LossSettings
 
-from . import openrlhf as band_loss
 from ._common import PAPER, did_you_mean
+from ._openrlhf_options import ENV, band_options_json, band_settings, check_openrlhf_args
 
 __all__ = ["PROG", "band_parser", "format_help", "main", "parse_band_args"]
 
 PROG = "python -m bandpo_lut.integrations.openrlhf_launcher"
 _OPENRLHF_MAIN = "openrlhf.cli.train_ppo_ray"
-_HOOK = f"{band_loss.__name__}.{band_loss.activate_from_env.__name__}"
+# Ray imports the loss's module in each worker and runs this (the launcher's own process never imports OpenRLHF)
+_HOOK = "bandpo_lut.integrations.openrlhf.activate_from_env"
 
 
 def _none_or_float(text: str):
@@ -86,14 +87,14 @@ def parse_band_args(argv: list[str]) -> tuple[LossSettings, list[str]]:
     if unknown:
         raise ValueError(f"unrecognised argument {unknown[0]}{did_you_mean(unknown[0], known)}; the launcher's "
                          f"options are {', '.join(known)}, written in full")
-    settings = band_loss.band_settings(**vars(ns))
+    settings = band_settings(**vars(ns))
     q = argparse.ArgumentParser(add_help=False)
     q.add_argument("--actor.policy_loss_type", dest="policy_loss_type", default="ppo")
     q.add_argument("--algo.advantage.is_correction_level", dest="is_correction_level", default="off")
     q.add_argument("--actor.loss_agg_mode", dest="loss_agg_mode", default="token-mean")
     orl, _ = q.parse_known_args(rest)
     if settings.clip == "band":
-        band_loss.check_openrlhf_args(**vars(orl))
+        check_openrlhf_args(**vars(orl))
     return settings, rest
 
 
@@ -122,7 +123,7 @@ def _ray_init_with_hook(init):
     @functools.wraps(init)
     def ray_init(*args, runtime_env=None, **kwargs):
         runtime_env = dict(runtime_env or {})
-        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), band_loss.ENV: os.environ[band_loss.ENV]}
+        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), ENV: os.environ[ENV]}
         runtime_env["worker_process_setup_hook"] = _HOOK
         return init(*args, runtime_env=runtime_env, **kwargs)
 
@@ -143,7 +144,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         band_parser().error(str(exc))
     import ray
 
-    os.environ[band_loss.ENV] = band_loss.band_options_json(settings)
+    os.environ[ENV] = band_options_json(settings)
     ray.init = _ray_init_with_hook(ray.init)
     sys.argv = [_OPENRLHF_MAIN, *rest]
     runpy.run_module(_OPENRLHF_MAIN, run_name="__main__", alter_sys=True)

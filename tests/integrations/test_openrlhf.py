@@ -84,8 +84,14 @@ def assert_usage_error(proc, *needles):
 
 def test_launcher_refuses_a_bad_band_before_ray(tmp_path):
     """The documented command line with an impossible band: an argparse error naming the argument (exit 2,
-    not a traceback), before OpenRLHF's trainer (and Ray) is imported."""
-    assert_usage_error(launcher("--band.delta", "7", cwd=tmp_path), "--band.delta", "7.0")
+    not a traceback), before anything of OpenRLHF (its trainer, Ray, deepspeed) is imported."""
+    proc = run_fresh(["-X", "importtime", "-m", "bandpo_lut.integrations.openrlhf_launcher",
+                      "--actor.model_name_or_path", "Qwen/Qwen3-0.6B", "--band.delta", "7"], cwd=tmp_path,
+                     env=site_env())
+    assert_usage_error(proc, "--band.delta", "7.0")
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in proc.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert imported and not imported & {"openrlhf", "ray", "deepspeed"}, sorted(imported)
 
 
 def test_launcher_refuses_an_abbreviated_band_option(tmp_path):

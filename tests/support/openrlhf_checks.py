@@ -17,6 +17,7 @@ import torch
 from plugin_checks import RESULTS, check, close, independent_per_token
 
 import bandpo_lut
+import bandpo_lut.integrations._openrlhf_options as options
 import bandpo_lut.integrations.openrlhf as borl
 import bandpo_lut.integrations.openrlhf_launcher as launcher
 
@@ -225,7 +226,7 @@ def _():
 @check("activate_rebinds_policyloss_and_ray_hook")
 def _():
     settings = borl.band_settings(delta=0.1, max_ratio=None)
-    os.environ[borl.ENV] = borl.band_options_json(settings)
+    os.environ[borl.ENV] = options.band_options_json(settings)
     assert json.loads(os.environ[borl.ENV]) == {"divergence": "kl", "delta": 0.1, "max_ratio": None,
                                                 "dual_clip": 10.0, "clip": "band"}
     cls = borl.activate(settings, patch_actor=False)
