@@ -44,7 +44,7 @@ CHECKS = {
     "band_metrics_in_openrlhfs_logging": "ppo_clip_ratio/ppo_kl as OpenRLHF's; band_* 0-dim metrics reach "
                                          "experience.info",
     "rounding_positive_old_log_prob": "an old log-prob of +6e-8 is p = 1 (finite loss and gradient)",
-    "bad_settings_refused_naming_the_argument": "impossible options and unsupported OpenRLHF modes refused, in "
+    "bad_options_refused_naming_the_argument": "impossible options and unsupported OpenRLHF modes refused, in "
                                                 "one message naming the argument once (the launcher: before Ray)",
     "paper_defaults_and_launcher_args": "the paper's settings by default; --band.* removed from OpenRLHF's "
                                         "arguments; None turns the cap off",

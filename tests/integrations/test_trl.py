@@ -608,7 +608,7 @@ def test_a_config_edited_after_it_was_built_is_checked_by_the_trainer(tmp_path):
                         processing_class=make_tokenizer())
 
 
-def test_band_settings_from_the_command_line(tmp_path):
+def test_band_options_from_the_command_line(tmp_path):
     """TRL's scripts parse their config with HfArgumentParser: the band fields are flags too, with the
     paper's defaults, and a bad one fails while parsing."""
     from transformers import HfArgumentParser

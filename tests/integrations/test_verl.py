@@ -147,7 +147,7 @@ def test_registered_in_verls_registry():
     assert bverl.LOSS_NAME == "bandpo"
 
 
-def test_band_settings_through_verls_config():
+def test_band_options_through_verls_config():
     cfg = actor_config(*band_overrides(delta=0.1, divergence="kl", max_ratio=10, dual_clip=10))
     pl = cfg.policy_loss
     assert isinstance(pl, bverl.BandPolicyLossConfig)
@@ -157,7 +157,7 @@ def test_band_settings_through_verls_config():
     assert pl.clip_cov_ratio == 0.0002 and cfg.policy_loss.get("loss_mode", "vanilla") == "bandpo"
 
 
-def test_band_settings_in_a_users_yaml(tmp_path):
+def test_band_options_in_a_users_yaml(tmp_path):
     """The README's YAML form: a user config on top of verl's ppo_trainer (no '+' needed there)."""
     (tmp_path / "bandpo_ppo.yaml").write_text(f"""
 hydra:

@@ -157,7 +157,7 @@ def _():
     return f"{loss.item():.6f}"
 
 
-@check("bad_settings_refused_naming_the_argument")
+@check("bad_options_refused_naming_the_argument")
 def _():
     S = borl.band_settings
     msgs = [  # each bad value: one message naming the argument once, with the value

@@ -203,7 +203,7 @@ def refused(overrides, *needles, cls=None, once=None):
     raise AssertionError(f"{overrides} was accepted")
 
 
-@check("bad_settings_refused_naming_the_key")
+@check("bad_options_refused_naming_the_key")
 def _():
     bandpo = "algorithm.policy_loss_type=bandpo"
     cases = (("band_delta", "2.0", "2.0"), ("band_delta", "-1.0", "-1.0"),

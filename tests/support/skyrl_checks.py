@@ -133,7 +133,7 @@ def _():
     return float(loss)
 
 
-@check("bad_settings_refused_naming_the_key")
+@check("bad_options_refused_naming_the_key")
 def _():
     """Each bad value: one message that names trainer.algorithm.<key> once, with the value."""
     out = []
