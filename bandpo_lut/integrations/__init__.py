@@ -8,8 +8,9 @@
 - `bandpo_lut.integrations.skyrl`: importing it registers the SkyRL (skyrl-train) policy loss
   ``"bandpo"`` (``trainer.algorithm.policy_loss_type=bandpo``), configured by
   ``trainer.algorithm.band_*``.
-- `bandpo_lut.integrations.openrlhf`: `BandPolicyLoss` (OpenRLHF's ``PolicyLoss`` with the band) and
-  the launcher ``python -m bandpo_lut.integrations.openrlhf <train_ppo_ray args> --band.delta ...``,
+- `bandpo_lut.integrations.openrlhf`: `BandPolicyLoss` (OpenRLHF's ``PolicyLoss`` with the band), and
+  `bandpo_lut.integrations.openrlhf_launcher`, the command line
+  ``python -m bandpo_lut.integrations.openrlhf_launcher <train_ppo_ray args> --band.delta ...``,
   which activates it in every Ray worker.
 
 No submodule is imported here: each needs its framework installed (pinned versions in
@@ -17,4 +18,4 @@ No submodule is imported here: each needs its framework installed (pinned versio
 importing this package must not require any of them.
 """
 
-__all__ = ["verl", "trl", "skyrl", "openrlhf"]
+__all__ = ["verl", "trl", "skyrl", "openrlhf", "openrlhf_launcher"]

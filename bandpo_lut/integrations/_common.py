@@ -1,44 +1,80 @@
-"""What both trainer integrations share: the paper's settings, the validation of a band setting
-against what this build can compute (named by the user's field), and the version policy.
+"""What the four trainer integrations (verl, TRL, SkyRL, OpenRLHF) share: the paper's defaults, the one way an
+integration turns its config fields into a `LossSettings`, the config getter, the "did you mean" hint and the
+version policy.
 
-Light on purpose: importing it imports neither verl nor TRL (torch comes with the `bandpo_lut`
-package). The band checks are `bandpo_lut.tables.checks`' and read the divergence registry and the shipped
-table's header (`bandpo_lut.tables.store`), never the compiled extension, so a bad setting is refused when
-the trainer's config object is built, before any model loads. `check_band` is the one place the
-integrations ask "can bandpo_lut compute this band?".
+Light on purpose: importing it imports no trainer (torch comes with the `bandpo_lut` package). The options are
+validated by `LossSettings` alone (the loss's one validation path), which reads the divergence registry and the
+shipped table's header, never the compiled extension: so a bad setting is refused when the trainer's config object
+is built, before any model loads, in one message that names the user's field.
 """
 from __future__ import annotations
 
+import difflib
+import functools
 import warnings
+from typing import Mapping
 
+from bandpo_lut.runtime.settings import LossSettings
 from bandpo_lut.tables.checks import is_number
 from bandpo_lut.tables.divergences import compiled_names as compiled_divergences
 
 # The paper's settings (BandPO: KL trust region, δ = 0.05, upper ratio bound capped at 10, dual
-# clip 10). Both integrations default to these; departing from them is an explicit setting.
+# clip 10). Every integration defaults to these; departing from them is an explicit setting.
 PAPER = {"divergence": "kl", "delta": 0.05, "max_ratio": 10.0, "dual_clip": 10.0}
 
-__all__ = ["PAPER", "check_band", "check_framework", "compiled_divergences", "delta_range", "is_number"]
+# The clips an integration whose "fixed" is the trainer's own clip can run (TRL, SkyRL, OpenRLHF).
+ROUTES = ("band", "fixed")
+
+__all__ = ["PAPER", "ROUTES", "check_framework", "check_route", "compiled_divergences", "config_get",
+           "delta_range", "did_you_mean", "is_number", "loss_settings"]
 
 
-def check_band(divergence, delta, max_ratio, *, field: dict) -> None:
-    """Refuse a band that `bandpo_lut.policy_loss` would refuse at its first call.
+def loss_settings(options: Mapping[str, object], names: Mapping[str, str]) -> LossSettings:
+    """`LossSettings(**options)`, its messages naming `names` (option -> the user's field, e.g.
+    ``{"delta": "actor_rollout_ref.actor.policy_loss.band_delta"}``). A bad value raises LossSettings' own
+    error, unchanged: one message per check.
 
-    `field` maps "divergence", "delta", "max_ratio" to the user's names for them (e.g.
-    ``{"delta": "band_delta", ...}`` or ``"actor.policy_loss.band_delta"``), so that every message
-    names the setting the user wrote. Raises ValueError.
-
-    A thin wrapper: the checks are `bandpo_lut.LossSettings`' (the loss's one validation path), built with
-    the user's field names; the message gains the paper's settings as a hint.
-    """
-    from bandpo_lut.runtime.settings import LossSettings
-
+    Built once per distinct (options, names): the config builds it, and every loss call after that asks again
+    with the same options (and its aggregation) and gets the object already built, not a second validation."""
+    # the type is in the key: 1 == 1.0 == True, but a bool is not a number to LossSettings
+    key = (tuple((k, type(v), v) for k, v in options.items()), tuple(names.items()))
     try:
-        LossSettings(divergence=divergence, delta=delta, max_ratio=max_ratio, field_names=field)
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"{err} (paper: {field.get('divergence', 'divergence')}={PAPER['divergence']!r}, "
-                         f"{field.get('delta', 'delta')}={PAPER['delta']}, "
-                         f"{field.get('max_ratio', 'max_ratio')}={PAPER['max_ratio']:g})") from None
+        hash(key)
+    except TypeError:   # an unhashable value (a list where a number belongs): LossSettings refuses it
+        return LossSettings(**options, field_names=dict(names))
+    return _built(key)
+
+
+@functools.lru_cache(maxsize=256)
+def _built(key) -> LossSettings:
+    options, names = key
+    return LossSettings(**{k: v for k, _, v in options}, field_names=dict(names))
+
+
+def check_route(clip, name: str) -> None:
+    """Refuse a clip other than ``ROUTES`` for the integrations whose ``"fixed"`` runs the trainer's own clip
+    (``"dcpo"`` has no such route there), naming the user's field."""
+    if clip not in ROUTES:
+        raise ValueError(f"{name}={clip!r} is not one of {ROUTES} ('band': BandPO's band; 'fixed': the "
+                         f"trainer's own clip, with the band metrics)")
+
+
+def config_get(config, key: str, default=None):
+    """``key`` of a trainer's config section, whatever its kind (dict, OmegaConf DictConfig, a config dataclass
+    with ``get``, a plain object): its value where present (null included), else ``default``."""
+    if config is None:
+        return default
+    get = getattr(config, "get", None)
+    if callable(get):
+        return get(key, default)
+    return getattr(config, key, default)
+
+
+def did_you_mean(given: str, known, *, show=str) -> str:
+    """`` (did you mean X?)`` for the entry of ``known`` closest to ``given`` (shown with ``show``), or ``""``
+    where none is close."""
+    close = difflib.get_close_matches(given, sorted(known), n=1)
+    return f" (did you mean {show(close[0])}?)" if close else ""
 
 
 def delta_range(divergence: str) -> tuple[float, float, bool]:
@@ -51,7 +87,7 @@ def delta_range(divergence: str) -> tuple[float, float, bool]:
 
 def check_framework(package: str, version: str, tested: tuple, problems: list[str], *,
                     module: str | None = None, install: str | None = None) -> None:
-    """The version policy, the same for TRL and verl.
+    """The version policy, the same for every trainer.
 
     - ``problems`` (what the integration checked of the installed package's structure) is not
       empty: ImportError that lists them, whatever the version.

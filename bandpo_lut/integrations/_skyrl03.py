@@ -17,7 +17,7 @@ How it fits SkyRL (tested: `TESTED_SKYRL`):
   config, loss_mask, rollout_logprobs) -> (loss, clip_ratio)`` with ``config`` the
   ``trainer.algorithm`` section. Checked at import against SkyRL's own ``ppo_policy_loss``; another
   version with that convention imports with a warning, one without it is refused.
-- **Settings** come from ``trainer.algorithm.band_*`` (``+`` because they are new keys), defaulting
+- **Options** come from ``trainer.algorithm.band_*`` (``+`` because they are new keys), defaulting
   to the paper's; a bad one, a misspelt ``band_*`` key, or ``band_*`` keys while ``policy_loss_type`` is
   not ``bandpo`` (SkyRL's own loss would ignore them) is refused, naming the key, by SkyRL's own start-up validation
   (``skyrl_train.utils.validate_cfg``, in the driver before Ray starts, once this module is imported
@@ -48,8 +48,8 @@ import torch
 
 import bandpo_lut
 
-from ._common import check_framework
-from ._skyrl_keys import DEFAULTS, LOSS_NAME, unknown_band_keys, unread_band_keys, validate
+from ._common import check_framework, config_get
+from ._skyrl_keys import LOSS_NAME, band_loss_settings, band_of, unknown_band_keys, unread_band_keys
 
 try:
     from skyrl_train.utils import ppo_utils
@@ -91,55 +91,42 @@ def _check_skyrl() -> None:
 _check_skyrl()
 
 
-def _get(config, key, default=None):
-    if config is None:
-        return default
-    if hasattr(config, "get"):
-        return config.get(key, default)
-    return getattr(config, key, default)
-
-
-def _has(config, key) -> bool:
-    return key in config if hasattr(config, "__contains__") else hasattr(config, key)
-
-
 def _keys(config) -> list:
     if config is None:
         return []
     return list(config.keys()) if hasattr(config, "keys") else list(vars(config))
 
 
-def _settings(config) -> dict:
-    """trainer.algorithm.band_* where given (null included: no cap / no dual clip), else the paper's."""
-    return {k: (_get(config, k) if _has(config, k) else d) for k, d in DEFAULTS.items()}
-
-
 _checked: set = set()
 
 
+# SkyRL's loss_reduction -> the aggregation of the band loss whose result it rescales (compute_policy_loss_bandpo)
+_AGG = {"token_mean": "token-mean", "sequence_mean": "seq-mean-token-mean", "seq_mean_token_sum_norm": "token-sum"}
+
+
 def check_config(algorithm_config) -> dict:
-    """The band settings of SkyRL's ``trainer.algorithm`` section (defaults: the paper's), refused
-    with a message naming the key if bandpo_lut cannot train them. Returns the settings."""
-    s = _settings(algorithm_config)
-    reduction = _get(algorithm_config, "loss_reduction", "token_mean")
+    """The band options of SkyRL's ``trainer.algorithm`` section (defaults: the paper's), refused
+    with a message naming the key if bandpo_lut cannot train them. Returns them (band_* -> value)."""
+    band = band_of(algorithm_config)
+    reduction = config_get(algorithm_config, "loss_reduction", "token_mean")
     keys = tuple(sorted(k for k in _keys(algorithm_config) if isinstance(k, str) and k.startswith("band_")))
-    key = (reduction, keys, *sorted((k, repr(v)) for k, v in s.items()))
+    key = (reduction, keys, *sorted((k, repr(v)) for k, v in band.items()))
     if key in _checked:
-        return s
+        return band
     unknown_band_keys(keys)
-    validate(s)
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{_SECTION}.loss_reduction must be one of {_REDUCTIONS} with "
                          f"policy_loss_type={LOSS_NAME}, got {reduction!r}")
+    band_loss_settings(band, _AGG[reduction])
     _checked.add(key)
-    return s
+    return band
 
 
 def _fixed_config(config, dual_clip: Optional[float]):
     """SkyRL's own ppo_policy_loss settings for band_clip='fixed' (its loss, unchanged)."""
     names = ("loss_reduction", "eps_clip_low", "eps_clip_high", "use_tis", "tis_imp_ratio_cap",
              "max_seq_len")
-    view = {k: _get(config, k) for k in names}
+    view = {k: config_get(config, k) for k in names}
     view["use_tis"] = bool(view["use_tis"])
     view["policy_loss_type"] = "regular" if dual_clip is None else "dual_clip"
     view["clip_ratio_c"] = dual_clip
@@ -155,37 +142,29 @@ def compute_policy_loss_bandpo(
     rollout_logprobs: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, float]:
     """BandPO's policy loss for SkyRL (registered as ``"bandpo"``); see the module docstring."""
-    s = check_config(config)
-    if s["band_clip"] == "fixed":
+    band = check_config(config)
+    if band["band_clip"] == "fixed":
         return ppo_utils.ppo_policy_loss(log_probs, old_log_probs, advantages,
-                                         _fixed_config(config, s["band_dual_clip"]), loss_mask,
+                                         _fixed_config(config, band["band_dual_clip"]), loss_mask,
                                          rollout_logprobs)
     mask = torch.ones_like(log_probs) if loss_mask is None else loss_mask
     adv = advantages
-    if _get(config, "use_tis", False):
+    if config_get(config, "use_tis", False):
         w = torch.exp(torch.clamp((old_log_probs - rollout_logprobs).to(torch.float32), -20.0, 20.0))
-        w = torch.clamp(w.to(log_probs.dtype), max=_get(config, "tis_imp_ratio_cap"))
+        w = torch.clamp(w.to(log_probs.dtype), max=config_get(config, "tis_imp_ratio_cap"))
         adv = adv * w.detach()
-    reduction = _get(config, "loss_reduction", "token_mean")
-    kwargs = dict(delta=s["band_delta"], divergence=s["band_divergence"],
-                  max_ratio=s["band_max_ratio"], dual_clip=s["band_dual_clip"])
-    if reduction == "token_mean":
-        loss, metrics = bandpo_lut.policy_loss(log_probs, old_log_probs, adv, mask, agg="token-mean",
-                                               **kwargs)
-    elif reduction == "sequence_mean":
+    reduction = config_get(config, "loss_reduction", "token_mean")
+    settings = band_loss_settings(band, _AGG[reduction])   # the one check_config built
+    if reduction == "seq_mean_token_sum_norm" and config_get(config, "max_seq_len") is None:
+        raise ValueError(f"{_SECTION}.max_seq_len is required for loss_reduction="
+                         f"seq_mean_token_sum_norm (SkyRL sets it from the generator's lengths)")
+    loss, metrics = bandpo_lut.policy_loss(log_probs, old_log_probs, adv, mask, settings=settings)
+    if reduction == "sequence_mean":
         # ours averages over the non-empty sequences; SkyRL's over all of them (an empty one is 0)
-        loss, metrics = bandpo_lut.policy_loss(log_probs, old_log_probs, adv, mask,
-                                               agg="seq-mean-token-mean", **kwargs)
         n_seq = (mask.to(loss.dtype).sum(dim=-1) > 0).to(loss.dtype).sum()
         loss = loss * n_seq / mask.shape[0]
-    else:  # seq_mean_token_sum_norm: the token sum over max_seq_len, averaged over the sequences
-        max_seq_len = _get(config, "max_seq_len")
-        if max_seq_len is None:
-            raise ValueError(f"{_SECTION}.max_seq_len is required for loss_reduction="
-                             f"seq_mean_token_sum_norm (SkyRL sets it from the generator's lengths)")
-        loss, metrics = bandpo_lut.policy_loss(log_probs, old_log_probs, adv, mask, agg="token-sum",
-                                               **kwargs)
-        loss = loss / (max_seq_len * mask.shape[0])
+    elif reduction == "seq_mean_token_sum_norm":  # the token sum over max_seq_len, averaged over the sequences
+        loss = loss / (config_get(config, "max_seq_len") * mask.shape[0])
     return loss, float(metrics["clip_frac"])
 
 
@@ -208,8 +187,8 @@ def _install_startup_check() -> None:
         algorithm = cfg.trainer.algorithm
         band = [k for k in _keys(algorithm) if isinstance(k, str) and k.startswith("band_")]
         unknown_band_keys(band)
-        unread_band_keys(_get(algorithm, "policy_loss_type"), band)
-        if _get(algorithm, "policy_loss_type") == LOSS_NAME:
+        unread_band_keys(config_get(algorithm, "policy_loss_type"), band)
+        if config_get(algorithm, "policy_loss_type") == LOSS_NAME:
             check_config(algorithm)
 
     validate_cfg._bandpo_check = True

@@ -27,7 +27,7 @@ How it fits SkyRL 0.4 (tested: `TESTED_SKYRL`; read from its source, ``skyrl.bac
   (``reduce_loss``). BandPO's per-token loss is positively homogeneous in A (its bounds depend on p_old
   only; only A's sign picks the branch), so the band loss of the scaled advantages, token-summed, is the
   reduction SkyRL asked for: every ``loss_reduction`` works unchanged.
-- **Settings** are fields of `BandPOAlgorithmConfig` (SkyRL 0.4 builds its config dataclasses strictly).
+- **Options** are fields of `BandPOAlgorithmConfig` (SkyRL 0.4 builds its config dataclasses strictly).
   Refused when the config is built, naming ``trainer.algorithm.<key>``: an impossible setting, a misspelt
   ``band_*`` key (with the closest valid one), band settings that differ from the defaults while
   ``policy_loss_type`` is not ``bandpo`` (no loss would read them), and ``band_*`` keys given to SkyRL's
@@ -59,8 +59,8 @@ import torch
 
 import bandpo_lut
 
-from ._common import PAPER, check_framework
-from ._skyrl_keys import DEFAULTS, LOSS_NAME, SECTION, unknown_band_keys, unread_band_keys, validate
+from ._common import PAPER, check_framework, config_get
+from ._skyrl_keys import DEFAULTS, LOSS_NAME, SECTION, band_loss_settings, band_of, unknown_band_keys, unread_band_keys
 
 TESTED_SKYRL = ("0.4.0",)
 
@@ -145,7 +145,7 @@ class BandPOAlgorithmConfig(AlgorithmConfig):
         parent = getattr(super(), "__post_init__", None)
         if parent is not None:
             parent()
-        validate({k: getattr(self, k) for k in DEFAULTS})
+        band_loss_settings(band_of(self), "token-sum")   # refused here, naming trainer.algorithm.<key>
         # a dataclass always has every field: "set" is "differs from the default" here
         unread_band_keys(self.policy_loss_type, [k for k, d in DEFAULTS.items() if getattr(self, k) != d])
 
@@ -187,37 +187,21 @@ def _install_key_checks() -> None:
     skyrl_config.validate_dict_keys_against_dataclass = validate_dict_keys_against_dataclass
 
 
-def _get(config, key, default=None):
-    if config is None:
-        return default
-    if hasattr(config, "get"):
-        return config.get(key, default)
-    return getattr(config, key, default)
-
-
-def _has(config, key) -> bool:
-    return key in config if hasattr(config, "__contains__") else hasattr(config, key)
-
-
-_checked: set = set()
-
-
 def check_config(algorithm_config) -> dict:
-    """The band settings of SkyRL's ``trainer.algorithm`` (a `BandPOAlgorithmConfig`, or any config, which
-    gets the paper's settings where it has none), refused naming the key if bandpo_lut cannot train them."""
-    s = {k: (_get(algorithm_config, k) if _has(algorithm_config, k) else d) for k, d in DEFAULTS.items()}
-    key = tuple(sorted((k, repr(v)) for k, v in s.items()))
-    if key not in _checked:
-        validate(s)
-        _checked.add(key)
-    return s
+    """The band options of SkyRL's ``trainer.algorithm`` (a `BandPOAlgorithmConfig`, or any config, which
+    gets the paper's options where it has none), refused naming the key if bandpo_lut cannot train them.
+    Returns them (band_* -> value); their LossSettings is built once, here or when the config was built."""
+    band = band_of(algorithm_config)
+    band_loss_settings(band, "token-sum")
+    return band
 
 
 def _fixed_config(config, dual_clip: Optional[float]):
     """SkyRL's own ppo_policy_loss settings for band_clip='fixed' (its loss, unchanged)."""
     return SimpleNamespace(policy_loss_type="regular" if dual_clip is None else "dual_clip",
-                           eps_clip_low=_get(config, "eps_clip_low"), eps_clip_high=_get(config, "eps_clip_high"),
-                           clip_ratio_c=dual_clip, off_policy_correction=_get(config, "off_policy_correction"))
+                           eps_clip_low=config_get(config, "eps_clip_low"),
+                           eps_clip_high=config_get(config, "eps_clip_high"),
+                           clip_ratio_c=dual_clip, off_policy_correction=config_get(config, "off_policy_correction"))
 
 
 def compute_policy_loss_bandpo(
@@ -229,24 +213,23 @@ def compute_policy_loss_bandpo(
     rollout_logprobs: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict]:
     """BandPO's policy loss for SkyRL 0.4 (registered as ``"bandpo"``); see the module docstring."""
-    s = check_config(config)
-    if s["band_clip"] == "fixed":
+    band = check_config(config)
+    if band["band_clip"] == "fixed":
         return ppo_utils.ppo_policy_loss(log_probs, old_log_probs, advantages,
-                                         _fixed_config(config, s["band_dual_clip"]), loss_mask,
+                                         _fixed_config(config, band["band_dual_clip"]), loss_mask,
                                          rollout_logprobs)
     mask = torch.ones_like(log_probs) if loss_mask is None else loss_mask
     adv = advantages
     metrics = {}
-    correction = _get(config, "off_policy_correction")
+    correction = config_get(config, "off_policy_correction")
     if rollout_logprobs is not None and correction is not None:
         tis_ratio, correction_metrics, mask = off_policy_correction_utils.compute_off_policy_correction(
             old_log_probs, rollout_logprobs, mask, correction)
         if tis_ratio is not None:
             adv = adv * tis_ratio
         metrics.update(correction_metrics)
-    loss, m = bandpo_lut.policy_loss(log_probs, old_log_probs, adv, mask, agg="token-sum",
-                                     delta=s["band_delta"], divergence=s["band_divergence"],
-                                     max_ratio=s["band_max_ratio"], dual_clip=s["band_dual_clip"])
+    loss, m = bandpo_lut.policy_loss(log_probs, old_log_probs, adv, mask,
+                                     settings=band_loss_settings(band, "token-sum"))
     return loss, {"clip_ratio": float(m["clip_frac"]), **metrics}
 
 

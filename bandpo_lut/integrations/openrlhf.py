@@ -1,21 +1,21 @@
-"""BandPO for OpenRLHF: the actor's ``PolicyLoss`` with the band in place of its fixed clip.
+"""BandPO for OpenRLHF: the actor's ``PolicyLoss`` with the band in place of its fixed clip, and `activate`,
+which makes OpenRLHF build it. The command line that activates it in every Ray worker is
+`bandpo_lut.integrations.openrlhf_launcher`::
 
-What an OpenRLHF user changes: the launcher module, plus any ``--band.*`` setting (defaults: the
-paper's settings)::
-
-    python -m bandpo_lut.integrations.openrlhf <the usual openrlhf.cli.train_ppo_ray arguments> \\
+    python -m bandpo_lut.integrations.openrlhf_launcher <the usual openrlhf.cli.train_ppo_ray arguments> \\
         --band.divergence kl --band.delta 0.05 --band.max_ratio 10 --band.dual_clip 10
 
 How it fits OpenRLHF (tested: `TESTED_OPENRLHF`):
 
 - **No registry**: OpenRLHF's PPO actor (``openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer``) builds
-  ``PolicyLoss(...)`` directly, inside a Ray actor. The launcher removes the ``--band.*`` arguments,
-  checks them and the OpenRLHF arguments the band depends on (a bad one is refused before Ray starts,
-  naming it), puts the settings into the environment variable ``BANDPO_OPENRLHF`` and adds
-  `activate_from_env` as Ray's ``worker_process_setup_hook`` to OpenRLHF's own ``ray.init``, then
-  runs ``openrlhf.cli.train_ppo_ray`` as ``__main__``. Each worker process thus calls `activate`,
-  which rebinds ``PolicyLoss`` in ``openrlhf.models.loss``, ``openrlhf.models`` and the PPO actor
-  module to `BandPolicyLoss`, and makes the actor's training step log the band metrics.
+  ``PolicyLoss(...)`` directly, inside a Ray actor. `activate` rebinds ``PolicyLoss`` in
+  ``openrlhf.models.loss``, ``openrlhf.models`` and the PPO actor module to `BandPolicyLoss` (with the band's
+  LossSettings) and makes the actor's training step log the band metrics; the launcher has Ray run it in
+  every worker process (`activate_from_env`, with the options in ``$BANDPO_OPENRLHF``).
+- **Options** (`bandpo_lut.integrations._openrlhf_options`, shared with the launcher, which imports no
+  OpenRLHF): `band_settings` builds the band's `bandpo_lut.LossSettings` from the launcher's ``--band.*``
+  (defaults: the paper's), each bad value refused naming its ``--band.*`` argument; `check_openrlhf_args`
+  refuses the OpenRLHF arguments the band cannot train.
 - **Loss**: `BandPolicyLoss` subclasses OpenRLHF's ``PolicyLoss`` and keeps its call convention
   (``forward(...) -> (loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)``) and its aggregation:
   ``--actor.loss_agg_mode token-mean`` (masked sum / the window's global token count x dp_size) or
@@ -35,20 +35,14 @@ How it fits OpenRLHF (tested: `TESTED_OPENRLHF`):
 """
 from __future__ import annotations
 
-import argparse
-import ast
-import difflib
+import dataclasses
 import functools
 import importlib
-import importlib.util
 import inspect
-import json
-import math
 import os
 import sys
 import types
 import warnings
-from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Optional
@@ -57,16 +51,15 @@ import torch
 
 import bandpo_lut
 from bandpo_lut.runtime import loss_spec
+from bandpo_lut.runtime.settings import LossSettings
 
-from ._common import PAPER, check_band, check_framework, is_number
+from ._common import check_framework, check_route
+from ._openrlhf_options import ENV, NAMES, band_from_json, band_settings, check_openrlhf_args
 
-__all__ = ["TESTED_OPENRLHF", "BandSettings", "BandPolicyLoss", "activate", "activate_from_env",
-           "check_openrlhf_args", "main"]
+__all__ = ["TESTED_OPENRLHF", "BandPolicyLoss", "activate", "activate_from_env", "band_settings",
+           "check_openrlhf_args"]
 
 TESTED_OPENRLHF = ("0.11.2",)
-ENV = "BANDPO_OPENRLHF"
-_MODULE = "bandpo_lut.integrations.openrlhf"  # not __name__: that is "__main__" under `python -m`
-_CLIPS = ("band", "fixed")
 _FORWARD_PARAMS = ("self", "log_probs", "old_log_probs", "advantages", "action_mask",
                    "rollout_log_probs", "dp_size", "batch_num_tokens", "global_batch_size")
 _INIT_PARAMS = ("clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type",
@@ -132,54 +125,20 @@ def _check_openrlhf() -> None:
 _check_openrlhf()
 
 
-@dataclass(frozen=True)
-class BandSettings:
-    """The band of `BandPolicyLoss` (the launcher's ``--band.*``); defaults: the paper's settings.
-    Checked when built: an impossible value is refused, naming its ``--band.*`` argument."""
-
-    divergence: str = PAPER["divergence"]
-    delta: float = PAPER["delta"]
-    max_ratio: Optional[float] = PAPER["max_ratio"]
-    dual_clip: Optional[float] = PAPER["dual_clip"]
-    clip: str = "band"
-
-    def __post_init__(self):
-        check_band(self.divergence, self.delta, self.max_ratio,
-                   field={k: f"--band.{k}" for k in ("divergence", "delta", "max_ratio")})
-        d = self.dual_clip
-        if d is not None and not (is_number(d) and d > 1 and not math.isnan(d)):
-            raise ValueError(f"--band.dual_clip must be None (off) or a number > 1 (paper: "
-                             f"{PAPER['dual_clip']:g}), got {d!r}")
-        if self.clip not in _CLIPS:
-            raise ValueError(f"--band.clip must be one of {_CLIPS}, got {self.clip!r}")
-
-
-def check_openrlhf_args(policy_loss_type="ppo", is_correction_level="off", loss_agg_mode="token-mean"):
-    """Refuse the OpenRLHF settings the band does not train, naming OpenRLHF's argument."""
-    if policy_loss_type != "ppo":
-        raise ValueError(f"--actor.policy_loss_type={policy_loss_type!r} is not supported with BandPO: "
-                         f"use 'ppo' (gspo uses one sequence-level ratio, which the per-token band "
-                         f"does not bound)")
-    if is_correction_level != "off":
-        raise ValueError(f"--algo.advantage.is_correction_level={is_correction_level!r} is not supported "
-                         f"with BandPO (the train/rollout IS correction is not carried over): use 'off'")
-    if loss_agg_mode not in ("token-mean", "seq-mean-token-mean"):
-        raise ValueError(f"--actor.loss_agg_mode must be 'token-mean' or 'seq-mean-token-mean', got "
-                         f"{loss_agg_mode!r}")
-
-
 _warned_dual = False
 
 
 class BandPolicyLoss(PolicyLoss):
-    """OpenRLHF's ``PolicyLoss`` with BandPO's band; same constructor (plus ``band``, default: the
-    settings `activate` was given, else the paper's) and same ``forward`` convention."""
+    """OpenRLHF's ``PolicyLoss`` with BandPO's band; same constructor (plus ``band``, a LossSettings from
+    `band_settings`; default: the one `activate` was given, else the paper's) and same ``forward``
+    convention. Every LossSettings a call uses is built here, once."""
 
-    band_settings: Optional[BandSettings] = None  # set by `activate` for the actor's construction
+    activated: Optional[LossSettings] = None  # set by `activate` for the actor's construction
 
-    def __init__(self, *args, band: Optional[BandSettings] = None, **kwargs):
+    def __init__(self, *args, band: Optional[LossSettings] = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.band = band or type(self).band_settings or BandSettings()
+        self.band = band or type(self).activated or band_settings()
+        check_route(self.band.clip, NAMES["clip"])
         if self.band.clip == "band":
             check_openrlhf_args(self.policy_loss_type, self.is_correction_level)
             global _warned_dual
@@ -188,38 +147,40 @@ class BandPolicyLoss(PolicyLoss):
                 warnings.warn(f"--actor.dual_clip={self.dual_clip} has no effect with BandPO: "
                               f"--band.dual_clip={self.band.dual_clip} takes its place", UserWarning,
                               stacklevel=2)
+            # OpenRLHF's aggregations, from the band's sums or means (`forward`)
+            aggs = ("token-mean", "token-sum") if self.token_level_loss else ("seq-mean-token-mean",)
+            self._settings = {agg: dataclasses.replace(self.band, agg=agg) for agg in aggs}
+        elif self.policy_loss_type == "ppo":  # the metrics of OpenRLHF's own clip (gspo's is per sequence)
+            self._settings = {"token-mean": LossSettings(
+                clip="fixed", eps_low=self.clip_eps_low, eps_high=self.clip_eps_high, dual_clip=self.dual_clip,
+                field_names={"eps_low": "--actor.eps_clip_low_high", "eps_high": "--actor.eps_clip_low_high",
+                             "dual_clip": "--actor.dual_clip"})}
         self.last_band_metrics: dict = {}
 
     def forward(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None,
                 dp_size=1, batch_num_tokens=None, global_batch_size=None):
         mask = torch.ones_like(log_probs) if action_mask is None else action_mask
-        b = self.band
-        if b.clip == "fixed":
+        if self.band.clip == "fixed":
             out = super().forward(log_probs, old_log_probs, advantages, action_mask, rollout_log_probs,
                                   dp_size, batch_num_tokens, global_batch_size)
-            if self.policy_loss_type == "ppo":  # gspo's clip is per sequence: no per-token metrics
-                _, metrics = bandpo_lut.policy_loss(
-                    log_probs.detach(), old_log_probs, advantages, mask, clip="fixed",
-                    eps_low=self.clip_eps_low, eps_high=self.clip_eps_high, dual_clip=self.dual_clip)
+            if self.policy_loss_type == "ppo":
+                _, metrics = bandpo_lut.policy_loss(log_probs.detach(), old_log_probs, advantages, mask,
+                                                    settings=self._settings["token-mean"])
                 self.last_band_metrics = _fractions(metrics)
             return out
-        kwargs = dict(delta=b.delta, divergence=b.divergence, max_ratio=b.max_ratio, dual_clip=b.dual_clip)
         if self.token_level_loss:
-            if batch_num_tokens is None:
-                loss, metrics = bandpo_lut.policy_loss(log_probs, old_log_probs, advantages, mask,
-                                                       agg="token-mean", **kwargs)
-            else:
-                loss, metrics = bandpo_lut.policy_loss(log_probs, old_log_probs, advantages, mask,
-                                                       agg="token-sum", **kwargs)
-                loss = loss / batch_num_tokens * dp_size
+            agg = "token-mean" if batch_num_tokens is None else "token-sum"
         else:
+            agg = "seq-mean-token-mean"
+        loss, metrics = bandpo_lut.policy_loss(log_probs, old_log_probs, advantages, mask,
+                                               settings=self._settings[agg])
+        if agg == "token-sum":
+            loss = loss / batch_num_tokens * dp_size
+        elif agg == "seq-mean-token-mean" and global_batch_size is not None:
             # ours averages the per-sequence means over the non-empty sequences; OpenRLHF divides their
             # sum by the global sample count
-            loss, metrics = bandpo_lut.policy_loss(log_probs, old_log_probs, advantages, mask,
-                                                   agg="seq-mean-token-mean", **kwargs)
-            if global_batch_size is not None:
-                n_seq = (mask.sum(dim=-1) > 0).to(loss.dtype).sum()
-                loss = loss * n_seq / global_batch_size * dp_size
+            n_seq = (mask.sum(dim=-1) > 0).to(loss.dtype).sum()
+            loss = loss * n_seq / global_batch_size * dp_size
         self.last_band_metrics = _fractions(metrics)
         ppo_kl = _orl_loss.masked_mean(-(log_probs - old_log_probs).detach(), mask, dim=None)
         return loss, metrics["clip_frac"], ppo_kl, None, None
@@ -258,11 +219,11 @@ def _log_band_metrics(training_step):
     return step
 
 
-def activate(settings: Optional[BandSettings] = None, *, patch_actor: bool = True) -> type:
-    """Make OpenRLHF build `BandPolicyLoss` (with ``settings``, default the paper's) wherever it
-    builds ``PolicyLoss``, in this process. Returns the class. ``patch_actor``: also import the PPO
+def activate(settings: Optional[LossSettings] = None, *, patch_actor: bool = True) -> type:
+    """Make OpenRLHF build `BandPolicyLoss` (with ``settings``, from `band_settings`; default the paper's)
+    wherever it builds ``PolicyLoss``, in this process. Returns the class. ``patch_actor``: also import the PPO
     actor module (needs OpenRLHF's full GPU stack) to rebind its name and log the band metrics."""
-    cls = type("BandPolicyLoss", (BandPolicyLoss,), {"band_settings": settings or BandSettings()})
+    cls = type("BandPolicyLoss", (BandPolicyLoss,), {"activated": settings or band_settings()})
     _orl_loss.PolicyLoss = cls
     models = sys.modules.get("openrlhf.models")
     if models is not None and hasattr(models, "PolicyLoss"):
@@ -277,149 +238,7 @@ def activate(settings: Optional[BandSettings] = None, *, patch_actor: bool = Tru
 
 
 def activate_from_env() -> None:
-    """Ray's ``worker_process_setup_hook``: `activate` with the settings in ``$BANDPO_OPENRLHF``."""
+    """Ray's ``worker_process_setup_hook``: `activate` with the band options in ``$BANDPO_OPENRLHF``."""
     raw = os.environ.get(ENV)
     if raw:
-        activate(BandSettings(**json.loads(raw)))
-
-
-def _none_or_float(text: str):
-    if text.lower() in ("none", "null"):
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or None, got {text!r}") from None
-
-
-PROG = "python -m bandpo_lut.integrations.openrlhf"
-_OPENRLHF_MAIN = "openrlhf.cli.train_ppo_ray"
-
-
-def band_parser() -> argparse.ArgumentParser:
-    """The launcher's own options (``--band.*``). No abbreviations: ``--band.max`` must not quietly mean
-    ``--band.max_ratio``. ``exit_on_error=False``: `parse_band_args` reports a bad value as ValueError."""
-    p = argparse.ArgumentParser(
-        prog=PROG, add_help=False, allow_abbrev=False, exit_on_error=False,
-        usage=f"{PROG} [--band.* options] <{_OPENRLHF_MAIN} arguments>",
-        description=f"OpenRLHF's PPO trainer ({_OPENRLHF_MAIN}) with BandPO's band in place of its fixed "
-                    "ratio clip. The --band.* options are this launcher's (defaults: the paper's settings), "
-                    f"written in full; every other argument goes to {_OPENRLHF_MAIN} unchanged.")
-    g = p.add_argument_group("BandPO")
-    g.add_argument("--band.divergence", dest="divergence", default=PAPER["divergence"], metavar="NAME",
-                   help="f-divergence of the trust region: kl, tv, chi2 or hellinger (default: %(default)s)")
-    g.add_argument("--band.delta", dest="delta", type=float, default=PAPER["delta"], metavar="DELTA",
-                   help="trust-region radius, within the shipped table's range (default: %(default)s)")
-    g.add_argument("--band.max_ratio", dest="max_ratio", type=_none_or_float, default=PAPER["max_ratio"],
-                   metavar="R", help="cap on the upper ratio bound, >= 1, or None for no cap (default: "
-                                     "%(default)s)")
-    g.add_argument("--band.dual_clip", dest="dual_clip", type=_none_or_float, default=PAPER["dual_clip"],
-                   metavar="C", help="dual-clip constant > 1 for tokens with A < 0, or None for off; takes the "
-                                     "place of --actor.dual_clip (default: %(default)s)")
-    g.add_argument("--band.clip", dest="clip", default="band", metavar="KIND",
-                   help="band (BandPO), or fixed: OpenRLHF's own clip, with the band metrics logged "
-                        "(default: %(default)s)")
-    return p
-
-
-def parse_band_args(argv: list[str]) -> tuple[BandSettings, list[str]]:
-    """(settings, the remaining arguments for OpenRLHF), the OpenRLHF arguments checked. A bad value, an
-    unknown ``--band...`` option (an abbreviation included) or an OpenRLHF argument the band cannot train
-    raises ValueError naming it."""
-    p = band_parser()
-    try:
-        ns, rest = p.parse_known_args(argv)
-    except argparse.ArgumentError as exc:
-        raise ValueError(str(exc)) from None
-    known = [opt for action in p._actions for opt in action.option_strings]
-    # what allow_abbrev=False left over: a --band... token that is none of ours would otherwise reach
-    # OpenRLHF's parser, which fails only after Ray and the trainer are imported
-    unknown = [t.split("=", 1)[0] for t in rest if t.startswith("--band")]
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.5)
-        raise ValueError(f"unrecognised argument {unknown[0]}" + (f" (did you mean {close[0]}?)" if close else "")
-                         + f"; the launcher's options are {', '.join(known)}, written in full")
-    settings = BandSettings(**vars(ns))
-    q = argparse.ArgumentParser(add_help=False)
-    q.add_argument("--actor.policy_loss_type", dest="policy_loss_type", default="ppo")
-    q.add_argument("--algo.advantage.is_correction_level", dest="is_correction_level", default="off")
-    q.add_argument("--actor.loss_agg_mode", dest="loss_agg_mode", default="token-mean")
-    orl, _ = q.parse_known_args(rest)
-    if settings.clip == "band":
-        check_openrlhf_args(**vars(orl))
-    return settings, rest
-
-
-def openrlhf_parser() -> Optional[argparse.ArgumentParser]:
-    """OpenRLHF's own argument parser, or None where it cannot be had. train_ppo_ray builds it in its
-    main block, after module imports that need OpenRLHF's GPU stack (vllm, ray); the statements before
-    its ``parser.parse_args()`` need only the standard library, so they are run by themselves, from the
-    installed file, and ``--help`` works wherever OpenRLHF is installed."""
-    try:
-        spec = importlib.util.find_spec(_OPENRLHF_MAIN)
-        tree = ast.parse(Path(spec.origin).read_text())
-        block = next(n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
-        # the file's standard-library imports (argparse, datetime for a default), then the parser's statements
-        body = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) and all(
-            (getattr(n, "module", None) or a.name).split(".")[0] in sys.stdlib_module_names for a in n.names)]
-        for stmt in block.body:
-            if "parse_args" in ast.unparse(stmt):
-                break
-            body.append(stmt)
-        namespace: dict = {}
-        exec(compile(ast.Module(body=body, type_ignores=[]), spec.origin, "exec"), namespace)
-        parser = namespace["parser"]
-        return parser if isinstance(parser, argparse.ArgumentParser) else None
-    except Exception:  # any change in OpenRLHF's file: the help says where to look instead
-        return None
-
-
-def format_help() -> str:
-    """``--help``: the launcher's options, then OpenRLHF's."""
-    text = band_parser().format_help()
-    orl = openrlhf_parser()
-    if orl is None:
-        return text + (f"\nOpenRLHF's own arguments: see `python -m {_OPENRLHF_MAIN} --help` (they could not "
-                       "be read from the installed openrlhf here).\n")
-    orl.usage = argparse.SUPPRESS  # its usage line lists every option again (hundreds of lines)
-    return text + f"\nOpenRLHF's own arguments ({_OPENRLHF_MAIN}):\n\n" + orl.format_help()
-
-
-def _ray_init_with_hook(init):
-    @functools.wraps(init)
-    def ray_init(*args, runtime_env=None, **kwargs):
-        runtime_env = dict(runtime_env or {})
-        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), ENV: os.environ[ENV]}
-        runtime_env["worker_process_setup_hook"] = f"{_MODULE}.activate_from_env"
-        return init(*args, runtime_env=runtime_env, **kwargs)
-
-    return ray_init
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    """``python -m bandpo_lut.integrations.openrlhf ARGS``: OpenRLHF's train_ppo_ray with the band. A bad
-    ``--band.*`` value, an unknown ``--band...`` option or an OpenRLHF setting the band cannot train ends
-    as argparse's errors do (the usage, one error line, exit 2), before Ray starts."""
-    import runpy
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        sys.stdout.write(format_help())
-        raise SystemExit(0)
-    try:
-        settings, rest = parse_band_args(argv)
-    except ValueError as exc:
-        band_parser().error(str(exc))
-    import ray
-
-    os.environ[ENV] = json.dumps(asdict(settings))
-    ray.init = _ray_init_with_hook(ray.init)
-    sys.argv = [_OPENRLHF_MAIN, *rest]
-    runpy.run_module(_OPENRLHF_MAIN, run_name="__main__", alter_sys=True)
-
-
-if __name__ == "__main__":
-    # the importable module's `main` (its classes are the ones the Ray workers' hook activates)
-    from bandpo_lut.integrations.openrlhf import main as _main
-
-    _main()
+        activate(band_from_json(raw))

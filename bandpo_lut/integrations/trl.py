@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import warnings
 from dataclasses import dataclass, field, fields
 from typing import Optional
@@ -66,8 +65,9 @@ from typing import Optional
 import torch
 
 import bandpo_lut
+from bandpo_lut.runtime.settings import LossSettings
 
-from ._common import PAPER, check_band, check_framework, compiled_divergences, is_number
+from ._common import PAPER, check_framework, check_route, compiled_divergences, is_number, loss_settings
 
 try:
     import trl
@@ -227,20 +227,42 @@ def _refuse_unclipped_loss(a) -> None:
                          f"GRPOTrainer")
 
 
+# The user's name of each LossSettings option: TRL's `delta` is the dual clip (and, with the fixed clip, the cap
+# of the ratio); `epsilon`/`epsilon_high` are the fixed clip's ε.
+_BAND_NAMES = {"delta": "band_delta", "divergence": "band_divergence", "max_ratio": "band_max_ratio",
+               "dual_clip": "delta", "clip": "band_clip"}
+_FIXED_NAMES = {"dual_clip": "delta", "max_ratio": "delta", "clip": "band_clip", "eps_low": "epsilon",
+                "eps_high": "epsilon_high"}
+
+
+def band_loss_settings(a) -> LossSettings:
+    """The one LossSettings of a BandGRPOConfig: what the loss (and its band/* metrics) computes, TRL's delta
+    as the dual clip. Built and validated once per distinct setting (when the config is built; the loss calls
+    find it built), every message naming the config's field.
+
+    band_clip="band": the band of band_delta/band_divergence, its upper bound capped at band_max_ratio (which
+    is at most delta, `_validate`). band_clip="fixed": TRL's own clip [1 - epsilon, 1 + epsilon_high]
+    (epsilon_high defaults to epsilon, as in GRPOTrainer), the ratio capped at delta."""
+    if a.band_clip == "band":
+        options = dict(delta=a.band_delta, divergence=a.band_divergence, max_ratio=a.band_max_ratio,
+                       dual_clip=a.delta, clip="band")
+        return loss_settings({**options, "agg": "token-sum"}, _BAND_NAMES)
+    eps_high = a.epsilon if a.epsilon_high is None else a.epsilon_high
+    options = dict(clip="fixed", eps_low=a.epsilon, eps_high=eps_high, dual_clip=a.delta, max_ratio=a.delta)
+    names = _FIXED_NAMES if a.epsilon_high is not None else {**_FIXED_NAMES, "eps_high": "epsilon"}
+    return loss_settings({**options, "agg": "token-sum"}, names)
+
+
 def _validate(a) -> None:
     """Refuse every setting that would not train what it says (see the module docstring)."""
     _refuse_liger(a)
-    if a.band_clip not in ("band", "fixed"):
-        raise ValueError(f"band_clip must be 'band' or 'fixed', got {a.band_clip!r}")
-    check_band(a.band_divergence, a.band_delta, a.band_max_ratio,
-               field={"divergence": "band_divergence", "delta": "band_delta",
-                      "max_ratio": "band_max_ratio"})
-    if a.delta is not None and not (is_number(a.delta) and a.delta > 1 and math.isfinite(a.delta)):
-        hint = (f" BandPO's trust-region radius is band_delta (e.g. band_delta={a.delta!r})"
-                if is_number(a.delta) and 0 < a.delta <= 1 else "")
-        raise ValueError(f"delta={a.delta!r}: in TRL's GRPOConfig, delta is the two-sided clip that "
-                         f"caps the ratio (here: dual-clip PPO's cap for A < 0), a number > 1 "
-                         f"(paper: {PAPER['dual_clip']:g}), or None for no dual clip.{hint}")
+    check_route(a.band_clip, "band_clip")
+    if is_number(a.delta) and 0 < a.delta <= 1:
+        # TRL's name for its clip is BandPO's name for the radius: the one mix-up worth its own message
+        raise ValueError(f"delta={a.delta!r} is TRL's two-sided clip, which caps the ratio (here: dual-clip "
+                         f"PPO's cap for A < 0): a number > 1 (paper: {PAPER['dual_clip']:g}) or None. BandPO's "
+                         f"trust-region radius is band_delta (e.g. band_delta={a.delta!r})")
+    band_loss_settings(a)
     _refuse_unclipped_loss(a)
     from .trl_fused_linear import validate as validate_fused_linear
 
@@ -251,7 +273,7 @@ def _validate(a) -> None:
         raise ValueError(f"epsilon={a.epsilon!r}, epsilon_high={a.epsilon_high!r}: TRL's fixed "
                          f"clip [1 - epsilon, 1 + epsilon_high] is replaced by the band with "
                          f"band_clip='band', so these would be ignored. Remove them (the band's "
-                         f"settings are band_delta, band_divergence, band_max_ratio), or set "
+                         f"options are band_delta, band_divergence, band_max_ratio), or set "
                          f"band_clip='fixed' to train with TRL's clip")
     if a.delta is not None and (a.band_max_ratio is None or a.band_max_ratio > a.delta):
         raise ValueError(f"band_max_ratio={a.band_max_ratio!r} with delta={a.delta!r}: TRL's delta "
@@ -363,20 +385,6 @@ class BandGRPOTrainer(GRPOTrainer):
 
     # -- the loss ---------------------------------------------------------------------------
 
-    def _upper_cap(self) -> Optional[float]:
-        """The cap of the band's upper bound that the loss really applies: band_max_ratio, and TRL's
-        delta, which caps coef_1 for every token (so the band must not exceed it either)."""
-        caps = [c for c in (self.args.band_max_ratio, self.args.delta) if c is not None]
-        return min(caps) if caps else None
-
-    def _band_metric_kwargs(self) -> dict:
-        a = self.args
-        if a.band_clip == "band":
-            return dict(clip="band", delta=a.band_delta, divergence=a.band_divergence,
-                        max_ratio=self._upper_cap(), dual_clip=a.delta)
-        return dict(clip="fixed", eps_low=float(self.epsilon_low),
-                    eps_high=float(self.epsilon_high), dual_clip=a.delta)
-
     def _compute_loss(self, model, inputs):
         if self.args.band_fused_linear:
             from .trl_fused_linear import fused_linear_loss
@@ -393,14 +401,14 @@ class BandGRPOTrainer(GRPOTrainer):
         old = inputs.get("old_per_token_logps")
         saved = (self.epsilon_low, self.epsilon_high)
         patched_before = "_get_per_token_logps_and_entropies" in self.__dict__
-        if self.args.band_clip == "band" and old is not None:
+        settings = band_loss_settings(self.args)
+        if settings.clip == "band" and old is not None:
             # (old is None means TRL uses the current log-probs: ratio == 1, nothing to clip.)
             with torch.no_grad():
                 # A log-probability a hair above 0 (rounding) is p = 1 in bandpo_lut itself
                 # (LOG_PROB_ROUNDING); a clearly invalid one gives a NaN bound, as in every integration.
-                lo, up = bandpo_lut.bounds(log_p_old=old.detach(), delta=self.args.band_delta,
-                                           divergence=self.args.band_divergence,
-                                           max_ratio=self._upper_cap())
+                lo, up = bandpo_lut.bounds(log_p_old=old.detach(), delta=settings.delta,
+                                           divergence=settings.divergence, max_ratio=settings.max_ratio)
             self.epsilon_low = _BandEdge(lo.to(old.dtype), "low")
             self.epsilon_high = _BandEdge(up.to(old.dtype), "high")
         self._get_per_token_logps_and_entropies = capture
@@ -429,8 +437,7 @@ class BandGRPOTrainer(GRPOTrainer):
         if adv.dim() == 1:
             adv = adv.unsqueeze(1)
         adv = adv.expand_as(logps).contiguous()
-        _, metrics = bandpo_lut.policy_loss(logps, old, adv, mask, agg="token-sum",
-                                            **self._band_metric_kwargs())
+        _, metrics = bandpo_lut.policy_loss(logps, old, adv, mask, settings=band_loss_settings(self.args))
         vec = torch.stack([metrics[name].detach().float() for name in counts_names])
         mode = "train" if self.model.training else "eval"
         acc = self._band_counts.get(mode)

@@ -100,6 +100,8 @@ def fused_linear_loss(trainer, model, inputs):
     """BandGRPOTrainer's loss for one micro-batch with fused_linear_policy_loss (see the module docstring)."""
     from bandpo_lut.runtime.fused_linear import fused_linear_policy_loss
 
+    from .trl import band_loss_settings
+
     old = inputs.get("old_per_token_logps")
     if old is None:
         raise RuntimeError("band_fused_linear=True: TRL passed no old log-probs (an on-policy schedule, refused "
@@ -120,14 +122,12 @@ def fused_linear_loss(trainer, model, inputs):
     advantages = advantages.expand(completion_ids.shape)
     beta = float(trainer.beta)
     ref = inputs["ref_per_token_logps"] if beta != 0.0 else None
-    settings = dict(trainer._band_metric_kwargs())
-    if settings["clip"] == "fixed" and trainer.args.delta is not None:
-        settings["max_ratio"] = trainer.args.delta   # TRL's delta caps the ratio of every token
+    settings = band_loss_settings(trainer.args)   # the unfused loss's, token-summed over the weights below
     loss, _, entropy, log_prob = fused_linear_policy_loss(
         hidden, head.weight, completion_ids.to(hidden.device), old, advantages, _normalised_weights(trainer, inputs,
                                                                                                     mask),
         bias=head.bias, temperature=trainer.temperature, ref_log_prob=ref, beta=beta, return_entropy=True,
-        agg="token-sum", **settings, _with_log_prob=True)
+        settings=settings, _with_log_prob=True)
     _log_like_trl(trainer, mask, entropy, log_prob, ref)
     trainer._record_band_counts(inputs, log_prob, old)
     return loss

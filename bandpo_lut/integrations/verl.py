@@ -16,7 +16,7 @@ How it fits verl:
 
 - **Registration.** ``@register_policy_loss("bandpo")`` on import, so
   ``verl.trainer.ppo.core_algos.get_policy_loss_fn("bandpo")`` is `compute_policy_loss_bandpo`.
-- **Settings.** verl builds its config dataclasses strictly (an unknown key fails), so the band
+- **Options.** verl builds its config dataclasses strictly (an unknown key fails), so the band
   settings live in a subclass of verl's ``PolicyLossConfig``, `BandPolicyLossConfig`, named by the
   ``_target_`` of the ``policy_loss`` section; the ``+`` tells Hydra the keys are new. Defaults are
   the paper's (kl, δ = 0.05, cap 10, dual clip 10). Unknown or invalid band settings (δ outside the
@@ -54,21 +54,20 @@ How it fits verl:
 """
 from __future__ import annotations
 
-import difflib
 import inspect
 import logging
 import warnings
 from dataclasses import dataclass, fields
-from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 
 import bandpo_lut
-from bandpo_lut.runtime.loss_spec import CLIPS, COUNTS, MODES
+from bandpo_lut.runtime.loss_spec import COUNTS
+from bandpo_lut.runtime.settings import LossSettings
 
 from . import verl_plugin
-from ._common import PAPER, check_band, check_framework, is_number
+from ._common import PAPER, check_framework, config_get, did_you_mean, loss_settings
 
 try:
     import verl
@@ -158,10 +157,7 @@ class BandPolicyLossConfig(PolicyLossConfig):
         known = {f.name for f in fields(cls)} | {"_target_"}
         unknown = [k for k in kwargs if k not in known]
         if unknown:
-            hints = []
-            for key in unknown:
-                close = difflib.get_close_matches(key, sorted(known - {"_target_"}), n=1)
-                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            hints = [f"{key!r}" + did_you_mean(key, known - {"_target_"}, show=repr) for key in unknown]
             band = ", ".join(f.name for f in fields(cls) if f.name.startswith("band_"))
             raise TypeError(f"{cls.__name__}: unknown setting {', '.join(hints)} in "
                             f"actor.policy_loss. BandPO settings: {band}; other keys must be fields "
@@ -172,7 +168,7 @@ class BandPolicyLossConfig(PolicyLossConfig):
         parent_post_init = getattr(super(), "__post_init__", None)
         if parent_post_init is not None:
             parent_post_init()
-        _validate_band_settings(self)
+        band_loss_settings(_band_fields(self))   # refused here, naming the key
         if self.loss_mode != LOSS_NAME:
             raise ValueError(
                 f"{_SECTION}._target_ is {type(self).__name__} (BandPO's settings) but "
@@ -181,21 +177,28 @@ class BandPolicyLossConfig(PolicyLossConfig):
                 f"own loss, drop the _target_ and the band_* keys)")
 
 
-def _validate_band_settings(cfg) -> None:
-    """Everything `compute_policy_loss_bandpo` would refuse at its first call, now, naming the key."""
-    name = _SECTION
-    check_band(cfg.band_divergence, cfg.band_delta, cfg.band_max_ratio,
-               field={k: f"{name}.band_{k}" for k in ("divergence", "delta", "max_ratio")})
-    if cfg.band_dual_clip is not None and not (is_number(cfg.band_dual_clip)
-                                               and cfg.band_dual_clip > 1):
-        raise ValueError(f"{name}.band_dual_clip must be null (off) or a number > 1 (paper: "
-                         f"{PAPER['dual_clip']:g}), got {cfg.band_dual_clip!r}")
-    if cfg.band_clip not in CLIPS:
-        raise ValueError(f"{name}.band_clip must be one of {CLIPS}, got {cfg.band_clip!r}")
-    if cfg.band_mode not in MODES:
-        raise ValueError(f"{name}.band_mode must be one of {MODES}, got {cfg.band_mode!r}")
-    if not isinstance(cfg.band_log_counts, bool):
-        raise ValueError(f"{name}.band_log_counts must be true or false, got {cfg.band_log_counts!r}")
+# The LossSettings option of each band field, and the user's name for it (the key as written on the command line).
+_OPTIONS = ("delta", "divergence", "max_ratio", "dual_clip", "clip", "mode")
+_NAMES = {option: f"{_SECTION}.band_{option}" for option in _OPTIONS}
+
+
+def _band_fields(cfg) -> dict:
+    """The band_* fields of a policy_loss section (band_* -> value; a key it lacks: the default; null included:
+    no cap / no dual clip). band_log_counts, which is no loss option, is checked here."""
+    band = {k: config_get(cfg, k, d) for k, d in _DEFAULTS.items()}
+    if not isinstance(band["band_log_counts"], bool):
+        raise ValueError(f"{_SECTION}.band_log_counts must be true or false, got {band['band_log_counts']!r}")
+    return band
+
+
+def band_loss_settings(band: dict, agg: str = "token-mean", eps=(None, None), eps_names=()) -> LossSettings:
+    """The one LossSettings of the band fields ``band`` (band_* -> value), with the aggregation a loss call
+    uses and, for band_clip="fixed"/"dcpo", the ε of verl's actor config (``eps_names``: their keys). Built and
+    validated once per distinct setting (when verl builds the config; every loss call after that finds it
+    built), every message naming the key in full."""
+    options = {option: band[f"band_{option}"] for option in _OPTIONS}
+    return loss_settings({**options, "agg": agg, "eps_low": eps[0], "eps_high": eps[1]},
+                         {**_NAMES, **dict(zip(("eps_low", "eps_high"), eps_names))})
 
 
 # verl's own PolicyLossConfig refuses loss_mode=bandpo and band_* keys, naming the _target_ line. Also
@@ -206,45 +209,28 @@ verl_plugin.install()
 
 _DEFAULTS = {f.name: f.default for f in fields(BandPolicyLossConfig) if f.name.startswith("band_")}
 _warned_plain_config = False
-_validated_plain: set = set()
 
 
-def _band_settings(policy_loss_cfg) -> dict:
-    """The band settings of an actor's policy_loss section: a BandPolicyLossConfig's, or the defaults
-    for a section without band fields (a DictConfig from a caller of the loss outside verl's config
-    classes: verl's own PolicyLossConfig with loss_mode=bandpo is refused when built, verl_plugin)."""
+def _band_of(policy_loss_cfg) -> dict:
+    """The band_* fields of an actor's policy_loss section: a BandPolicyLossConfig's, or, for a section
+    without them (a DictConfig from a caller of the loss outside verl's config classes: verl's own
+    PolicyLossConfig with loss_mode=bandpo is refused when built, verl_plugin), the keys it has over the
+    defaults (logged once)."""
     global _warned_plain_config
+    band = _band_fields(policy_loss_cfg)
     if policy_loss_cfg is not None and all(hasattr(policy_loss_cfg, k) for k in _DEFAULTS):
-        return {k: getattr(policy_loss_cfg, k) for k in _DEFAULTS}
-    out = dict(_DEFAULTS)
-    if policy_loss_cfg is not None:
-        getter = policy_loss_cfg.get if hasattr(policy_loss_cfg, "get") else (
-            lambda k, d=None: getattr(policy_loss_cfg, k, d))
-        for k in _DEFAULTS:
-            v = getter(k, None)
-            if v is not None:
-                out[k] = v
-    key = tuple(sorted(out.items()))
-    if key not in _validated_plain:  # once per distinct setting, not at every loss call
-        _validate_band_settings(SimpleNamespace(**out))
-        _validated_plain.add(key)
+        return band
     if not _warned_plain_config:
         _warned_plain_config = True
         logger.warning("loss_mode=bandpo without BandPolicyLossConfig: using the default band "
                        "settings (the paper's) where none are given: %s. Set %s._target_=%s to set "
                        "them in the config (and have them checked when it is built).",
-                       out, _SECTION, TARGET)
-    return out
+                       band, _SECTION, TARGET)
+    return band
 
 
 # ---------------------------------------------------------------------------------------------
 # the loss
-
-
-def _cfg_get(config, key, default=None):
-    if hasattr(config, "get"):
-        return config.get(key, default)
-    return getattr(config, key, default)
 
 
 @core_algos.register_policy_loss(LOSS_NAME)
@@ -273,31 +259,23 @@ def compute_policy_loss_bandpo(
     """
     if config is None:
         raise ValueError("compute_policy_loss_bandpo: config (the actor config) is required")
-    s = _band_settings(_cfg_get(config, "policy_loss"))
-    _warn_ignored_verl_clips(config, s)
-
-    kwargs = dict(max_ratio=s["band_max_ratio"], dual_clip=s["band_dual_clip"],
-                  clip=s["band_clip"], mode=s["band_mode"])
-    if s["band_clip"] == "band":
-        kwargs.update(delta=s["band_delta"], divergence=s["band_divergence"])
-    else:
-        eps = _cfg_get(config, "clip_ratio", 0.2)
-        low, high = _cfg_get(config, "clip_ratio_low", None), _cfg_get(config, "clip_ratio_high", None)
-        kwargs.update(eps_low=eps if low is None else low, eps_high=eps if high is None else high)
+    band = _band_of(config_get(config, "policy_loss"))
+    _warn_ignored_verl_clips(config, band)
+    eps, eps_names = _baseline_eps(config) if band["band_clip"] != "band" else ((None, None), ())
 
     if rollout_is_weights is not None:
         # Exact for w >= 0: the clip decisions depend only on the sign of A (module docstring).
         advantages = advantages * rollout_is_weights.detach()
 
-    gbi = _cfg_get(config, "global_batch_info", None) or {}
+    gbi = config_get(config, "global_batch_info", None) or {}
     dp_size = gbi.get("dp_size", 1) or 1
     batch_num_tokens = gbi.get("batch_num_tokens", None)
     global_batch_size = gbi.get("global_batch_size", None)
     loss_scale_factor = gbi.get("loss_scale_factor", None)
 
     def call(agg):
-        return bandpo_lut.policy_loss(log_prob, old_log_prob, advantages, response_mask, agg=agg,
-                                      **kwargs)
+        return bandpo_lut.policy_loss(log_prob, old_log_prob, advantages, response_mask,
+                                      settings=band_loss_settings(band, agg, eps, eps_names))
 
     # Same normalisation as verl.trainer.ppo.core_algos.agg_loss, on our sums/means.
     if loss_agg_mode == "token-mean":
@@ -332,7 +310,22 @@ def compute_policy_loss_bandpo(
     else:
         raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
 
-    return loss, _verl_metrics(metrics, s["band_log_counts"])
+    return loss, _verl_metrics(metrics, band["band_log_counts"])
+
+
+_ACTOR = "actor_rollout_ref.actor"
+
+
+def _baseline_eps(config) -> tuple[tuple, tuple]:
+    """((eps_low, eps_high), their keys) of band_clip="fixed"/"dcpo": verl's actor.clip_ratio_low/high, each
+    defaulting to actor.clip_ratio, as in verl's own loss."""
+    eps = config_get(config, "clip_ratio", 0.2)
+    values, names = [], []
+    for side in ("low", "high"):
+        value = config_get(config, f"clip_ratio_{side}", None)
+        values.append(eps if value is None else value)
+        names.append(f"{_ACTOR}.clip_ratio" + ("" if value is None else f"_{side}"))
+    return tuple(values), tuple(names)
 
 
 # verl's own clip settings (actor config) and their defaults; with loss_mode=bandpo a value other than the
@@ -346,7 +339,7 @@ def _ignored_verl_clips(config, s: dict) -> list[str]:
     band setting that takes its place."""
     out = []
     for key, default in _VERL_CLIP_DEFAULTS.items():
-        value = _cfg_get(config, key, None)
+        value = config_get(config, key, None)
         if value is None or value == default:
             continue
         if key == "clip_ratio_c":

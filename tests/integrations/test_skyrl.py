@@ -39,7 +39,8 @@ CHECKS = {
     "tis_weights": "use_tis: SkyRL's truncated IS weight on each token's loss",
     "fixed_is_skyrls_loss_bit_for_bit": "band_clip=fixed is SkyRL's ppo_policy_loss, bit for bit",
     "rounding_positive_old_log_prob": "an old log-prob of +6e-8 is p = 1 (finite loss)",
-    "bad_settings_refused_naming_the_key": "impossible settings refused, naming trainer.algorithm.<key>",
+    "bad_options_refused_naming_the_key": "impossible options refused in one message naming "
+                                          "trainer.algorithm.<key> once",
     "refused_by_skyrls_startup_validation": "SkyRL's validate_cfg (driver, before Ray) refuses a bad "
                                             "band setting, naming it",
     "misspelt_band_key_refused": "+trainer.algorithm.band_dleta is refused (validate_cfg, check_config, the loss), "

@@ -41,8 +41,8 @@ CHECKS = {
                                      "applied as defined, not ignored",
     "fixed_is_skyrls_loss_bit_for_bit": "band_clip=fixed is SkyRL 0.4's ppo_policy_loss, bit for bit",
     "rounding_positive_old_log_prob": "an old log-prob of +6e-8 is p = 1 (finite loss)",
-    "bad_settings_refused_naming_the_key": "impossible settings refused when the config is built, naming "
-                                           "trainer.algorithm.<key>",
+    "bad_options_refused_naming_the_key": "impossible options refused when the config is built, in one "
+                                           "message naming trainer.algorithm.<key> once",
     "misspelt_band_key_refused": "trainer.algorithm.band_dleta refused, suggesting band_delta",
     "band_keys_without_bandpo_refused": "band settings with another policy loss, or on SkyRL's own config "
                                         "class, refused",

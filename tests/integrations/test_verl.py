@@ -147,7 +147,7 @@ def test_registered_in_verls_registry():
     assert bverl.LOSS_NAME == "bandpo"
 
 
-def test_band_settings_through_verls_config():
+def test_band_options_through_verls_config():
     cfg = actor_config(*band_overrides(delta=0.1, divergence="kl", max_ratio=10, dual_clip=10))
     pl = cfg.policy_loss
     assert isinstance(pl, bverl.BandPolicyLossConfig)
@@ -157,7 +157,7 @@ def test_band_settings_through_verls_config():
     assert pl.clip_cov_ratio == 0.0002 and cfg.policy_loss.get("loss_mode", "vanilla") == "bandpo"
 
 
-def test_band_settings_in_a_users_yaml(tmp_path):
+def test_band_options_in_a_users_yaml(tmp_path):
     """The README's YAML form: a user config on top of verl's ppo_trainer (no '+' needed there)."""
     (tmp_path / "bandpo_ppo.yaml").write_text(f"""
 hydra:
@@ -204,26 +204,50 @@ def test_unknown_band_setting_is_a_clear_error():
         bverl.BandPolicyLossConfig(band_max_ratoi=10)
 
 
-BAD_VALUES = [
-    ("delta", -0.1, "band_delta must be a positive number"),
-    ("delta", 2.0, r"band_delta=2.0 is outside the range of the shipped 'kl' table"),
-    ("delta", 1e-4, r"band_delta=0.0001 is outside the range"),
-    ("divergence", "reverse_kl", r"band_divergence='reverse_kl' has no compiled kernel"),
-    ("divergence", "klx", r"band_divergence='klx' is not a divergence"),
-    ("max_ratio", 0.5, "band_max_ratio must be a number >= 1"),
-    ("dual_clip", 1.0, "band_dual_clip must be null .off. or a number > 1"),
-    ("clip", "ppo", "band_clip must be one of"),
-    ("mode", "hard", "band_mode must be one of"),
+def assert_named_once(message: str, field: str, value: str) -> None:
+    """One message for one bad value: the user's field named exactly once (not a second check's message stacked
+    on the first), with the offending value."""
+    assert message.count(field) == 1, (field, message)
+    assert value in message, (value, message)
+
+
+BAD_VALUES = [  # (key, value, how the value appears in the message)
+    ("delta", -0.1, "-0.1"),
+    ("delta", 2.0, "2.0"),
+    ("delta", 1e-4, "0.0001"),
+    ("delta", "nan", "nan"),
+    ("divergence", "reverse_kl", "'reverse_kl'"),
+    ("divergence", "klx", "'klx'"),
+    ("max_ratio", 0.5, "0.5"),
+    ("dual_clip", 1.0, "1.0"),
+    ("dual_clip", "nan", "nan"),
+    ("clip", "ppo", "'ppo'"),
+    ("mode", "hard", "'hard'"),
+    ("log_counts", 3, "3"),
 ]
 
 
-@pytest.mark.parametrize("key, value, match", BAD_VALUES,
-                         ids=[f"{k}={v}" for k, v, _ in BAD_VALUES])
-def test_bad_band_value_is_refused_when_the_config_is_built(key, value, match):
-    """Refused when verl builds the config object, naming the user's key in full."""
-    with pytest.raises(Exception, match=match) as info:
+@pytest.mark.parametrize("key, value, shown", BAD_VALUES, ids=[f"{k}={v}" for k, v, _ in BAD_VALUES])
+def test_bad_band_value_is_refused_when_the_config_is_built(key, value, shown):
+    """Refused when verl builds the config object, in one message naming the user's key in full, once."""
+    with pytest.raises(Exception) as info:
         actor_config(*band_overrides(**{key: value}))
-    assert f"actor_rollout_ref.actor.policy_loss.band_{key}" in str(info.value)
+    assert_named_once(str(info.value), f"actor_rollout_ref.actor.policy_loss.band_{key}", shown)
+
+
+@pytest.mark.parametrize("clip", ["fixed", "dcpo"])
+def test_bad_baseline_eps_is_refused_naming_verls_key(clip):
+    """band_clip=fixed/dcpo takes its ε from verl's actor.clip_ratio_low/high (else actor.clip_ratio): a bad one is
+    refused at the first loss call (the policy_loss section is built before, and apart from, the actor's clip
+    keys), naming verl's key once."""
+    b = make_batch(0)
+    for overrides, key, shown in (
+            (["actor_rollout_ref.actor.clip_ratio_low=-0.5"], "actor_rollout_ref.actor.clip_ratio_low", "-0.5"),
+            (["actor_rollout_ref.actor.clip_ratio_high=-1.0"], "actor_rollout_ref.actor.clip_ratio_high", "-1.0")):
+        cfg = actor_config(*band_overrides(clip=clip), *overrides)
+        with pytest.raises(ValueError) as info:
+            run_ppo_loss(cfg, b)
+        assert_named_once(str(info.value), key, shown)
 
 
 def _driver_config(*overrides):

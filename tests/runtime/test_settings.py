@@ -10,7 +10,6 @@ import torch
 
 import bandpo_lut
 from bandpo_lut import LossSettings
-from bandpo_lut.integrations._common import check_band
 from bandpo_lut.reference.policy_loss import policy_loss as ref_policy_loss
 
 BAD = [
@@ -119,12 +118,3 @@ def test_per_token_delta_shape_checked_at_call_time():
     lp = torch.full((4, 6), -1.0)
     with pytest.raises(ValueError, match=r"delta has shape \(5, 1\), which does not broadcast"):
         bandpo_lut.policy_loss(lp, lp, lp, settings=s)
-
-
-def test_check_band_builds_the_settings_with_the_users_fields():
-    field = {"divergence": "band_divergence", "delta": "band_delta", "max_ratio": "band_max_ratio"}
-    check_band("kl", 0.05, 10.0, field=field)
-    with pytest.raises(ValueError, match=r"band_delta=2.0 is outside the range of the shipped 'kl' table.*paper"):
-        check_band("kl", 2.0, 10.0, field=field)
-    with pytest.raises(ValueError, match="band_max_ratio must be a number >= 1"):
-        check_band("kl", 0.05, 0.5, field=field)

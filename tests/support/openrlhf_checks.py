@@ -1,5 +1,5 @@
-"""Checks of bandpo_lut.integrations.openrlhf against the real openrlhf (and the real deepspeed its loss
-module's utils import), run by tests/integrations/test_openrlhf.py in a fresh interpreter with
+"""Checks of bandpo_lut.integrations.openrlhf (and its launcher) against the real openrlhf (and the real deepspeed its
+loss module's utils import), run by tests/integrations/test_openrlhf.py in a fresh interpreter with
 .openrlhf-site on PYTHONPATH. Prints one JSON object: check name -> [ok, detail]."""
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ import torch
 from plugin_checks import RESULTS, check, close, independent_per_token
 
 import bandpo_lut
+import bandpo_lut.integrations._openrlhf_options as options
 import bandpo_lut.integrations.openrlhf as borl
+import bandpo_lut.integrations.openrlhf_launcher as launcher
 
 orl_loss = sys.modules["openrlhf.models.loss"]
 STOCK = orl_loss.PolicyLoss  # OpenRLHF's own class (before any `activate` below)
@@ -34,11 +36,14 @@ def run(loss_fn, new, *args, **kwargs):
     return out, grad
 
 
-def expect_error(fn, *needles):
+def expect_error(fn, *needles, once=None):
+    """The ValueError of fn(), which holds every needle; `once`: the user's argument, named once (one message,
+    not a second check's stacked on it)."""
     try:
         fn()
     except (ValueError, AssertionError) as exc:
         assert all(n in str(exc) for n in needles), f"{needles} not in: {exc}"
+        assert once is None or str(exc).count(once) == 1, f"{once} not named exactly once: {exc}"
         return str(exc)
     raise AssertionError(f"accepted; expected an error naming {needles}")
 
@@ -94,7 +99,7 @@ def _():
                {"token_level_loss": False}, {"policy_loss_type": "gspo"}):
         for extra in ({}, {"dp_size": 2, "batch_num_tokens": torch.tensor(61.0),
                            "global_batch_size": torch.tensor(7.0)}):
-            ours, g1 = run(borl.BandPolicyLoss(band=borl.BandSettings(clip="fixed"), **kw), new, old, adv,
+            ours, g1 = run(borl.BandPolicyLoss(band=borl.band_settings(clip="fixed"), **kw), new, old, adv,
                            action_mask=mask, **extra)
             stock, g2 = run(STOCK(**kw), new, old, adv, action_mask=mask, **extra)
             for a, b in zip(ours, stock):
@@ -152,46 +157,52 @@ def _():
     return f"{loss.item():.6f}"
 
 
-@check("bad_settings_refused_naming_the_argument")
+@check("bad_options_refused_naming_the_argument")
 def _():
-    S = borl.BandSettings
-    msgs = [
-        expect_error(lambda: S(delta=-1.0), "--band.delta"),
-        expect_error(lambda: S(delta=50.0), "--band.delta"),
-        expect_error(lambda: S(divergence="js"), "--band.divergence"),
-        expect_error(lambda: S(max_ratio=0.5), "--band.max_ratio"),
-        expect_error(lambda: S(dual_clip=1.0), "--band.dual_clip"),
-        expect_error(lambda: S(clip="dcpo"), "--band.clip"),
+    S = borl.band_settings
+    msgs = [  # each bad value: one message naming the argument once, with the value
+        expect_error(lambda: S(delta=-1.0), "-1.0", once="--band.delta"),
+        expect_error(lambda: S(delta=50.0), "50.0", once="--band.delta"),
+        expect_error(lambda: S(delta=float("nan")), "nan", once="--band.delta"),
+        expect_error(lambda: S(divergence="js"), "'js'", once="--band.divergence"),
+        expect_error(lambda: S(divergence="reverse_kl"), "'reverse_kl'", once="--band.divergence"),
+        expect_error(lambda: S(max_ratio=0.5), "0.5", once="--band.max_ratio"),
+        expect_error(lambda: S(dual_clip=1.0), "1.0", once="--band.dual_clip"),
+        expect_error(lambda: S(dual_clip=float("nan")), "nan", once="--band.dual_clip"),
+        expect_error(lambda: S(clip="dcpo"), "'dcpo'", once="--band.clip"),
+        expect_error(lambda: borl.BandPolicyLoss(band=bandpo_lut.LossSettings(clip="dcpo")), "'dcpo'",
+                     once="--band.clip"),
         expect_error(lambda: borl.BandPolicyLoss(policy_loss_type="gspo"), "--actor.policy_loss_type"),
         expect_error(lambda: borl.BandPolicyLoss(is_correction_level="token"),
                      "--algo.advantage.is_correction_level"),
         # the launcher: before Ray starts
-        expect_error(lambda: borl.parse_band_args(["--band.delta", "7", "--data.prompt_dataset", "x"]), "--band.delta"),
-        expect_error(lambda: borl.parse_band_args(["--actor.policy_loss_type", "gspo"]),
+        expect_error(lambda: launcher.parse_band_args(["--band.delta", "7", "--data.prompt_dataset", "x"]),
+                     "--band.delta"),
+        expect_error(lambda: launcher.parse_band_args(["--actor.policy_loss_type", "gspo"]),
                      "--actor.policy_loss_type"),
-        expect_error(lambda: borl.parse_band_args(["--algo.advantage.is_correction_level", "seq"]),
+        expect_error(lambda: launcher.parse_band_args(["--algo.advantage.is_correction_level", "seq"]),
                      "--algo.advantage.is_correction_level"),
-        expect_error(lambda: borl.parse_band_args(["--band.delta", "abc"]), "--band.delta", "'abc'"),
-        expect_error(lambda: borl.parse_band_args(["--band.dual_clip", "off"]), "--band.dual_clip", "'off'"),
+        expect_error(lambda: launcher.parse_band_args(["--band.delta", "abc"]), "--band.delta", "'abc'"),
+        expect_error(lambda: launcher.parse_band_args(["--band.dual_clip", "off"]), "--band.dual_clip", "'off'"),
         # no abbreviations, and no --band option that is not one of the launcher's
-        expect_error(lambda: borl.parse_band_args(["--band.max", "3"]), "--band.max ", "--band.max_ratio?"),
-        expect_error(lambda: borl.parse_band_args(["--band.dual=3"]), "--band.dual ", "--band.dual_clip?"),
-        expect_error(lambda: borl.parse_band_args(["--band_delta", "0.1"]), "--band_delta", "--band.delta?"),
+        expect_error(lambda: launcher.parse_band_args(["--band.max", "3"]), "--band.max ", "--band.max_ratio?"),
+        expect_error(lambda: launcher.parse_band_args(["--band.dual=3"]), "--band.dual ", "--band.dual_clip?"),
+        expect_error(lambda: launcher.parse_band_args(["--band_delta", "0.1"]), "--band_delta", "--band.delta?"),
     ]
     # the launcher's main: each of these is an argparse error (exit 2, one line naming the argument)
     for argv, needle in ((["--band.divergence", "js"], "--band.divergence='js'"),
                          (["--actor.policy_loss_type", "gspo"], "--actor.policy_loss_type='gspo'"),
-                         (["--band.max_ratio", "0.5"], "--band.max_ratio must be"),
-                         (["--band.clip=dcpo"], "--band.clip must be")):
+                         (["--band.max_ratio", "0.5"], "--band.max_ratio"),
+                         (["--band.clip=dcpo"], "--band.clip='dcpo'")):
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err):
-                borl.main(["--actor.model_name_or_path", "m", *argv])
+                launcher.main(["--actor.model_name_or_path", "m", *argv])
         except SystemExit as exc:
             assert exc.code == 2, (argv, exc.code)
         else:
             raise AssertionError(f"{argv} accepted")
-        lines = [line for line in err.getvalue().splitlines() if line.startswith(f"{borl.PROG}: error: ")]
+        lines = [line for line in err.getvalue().splitlines() if line.startswith(f"{launcher.PROG}: error: ")]
         assert len(lines) == 1 and needle in lines[0], (argv, err.getvalue())
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -203,8 +214,9 @@ def _():
 
 @check("paper_defaults_and_launcher_args")
 def _():
-    assert borl.BandSettings() == borl.BandSettings("kl", 0.05, 10.0, 10.0, "band")
-    s, rest = borl.parse_band_args(["--actor.model_name_or_path", "m", "--band.max_ratio", "None",
+    assert borl.band_settings() == bandpo_lut.LossSettings(divergence="kl", delta=0.05, max_ratio=10.0,
+                                                           dual_clip=10.0, clip="band")
+    s, rest = launcher.parse_band_args(["--actor.model_name_or_path", "m", "--band.max_ratio", "None",
                                     "--band.delta", "0.1", "--actor.dual_clip", "3"])
     assert (s.delta, s.max_ratio, s.dual_clip) == (0.1, None, 10.0), s
     assert rest == ["--actor.model_name_or_path", "m", "--actor.dual_clip", "3"], rest
@@ -213,9 +225,10 @@ def _():
 
 @check("activate_rebinds_policyloss_and_ray_hook")
 def _():
-    settings = borl.BandSettings(delta=0.1, max_ratio=None)
-    os.environ[borl.ENV] = json.dumps({"divergence": "kl", "delta": 0.1, "max_ratio": None,
-                                       "dual_clip": 10.0, "clip": "band"})
+    settings = borl.band_settings(delta=0.1, max_ratio=None)
+    os.environ[borl.ENV] = options.band_options_json(settings)
+    assert json.loads(os.environ[borl.ENV]) == {"divergence": "kl", "delta": 0.1, "max_ratio": None,
+                                                "dual_clip": 10.0, "clip": "band"}
     cls = borl.activate(settings, patch_actor=False)
     # what OpenRLHF's actor does: PolicyLoss(...) by the module's name, with its own arguments
     built = orl_loss.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True,
@@ -226,7 +239,7 @@ def _():
     assert torch.equal(built(new, old, adv, action_mask=mask)[0], ref)
     # the launcher's ray.init: OpenRLHF's runtime_env kept, the settings and the worker hook added
     seen = {}
-    init = borl._ray_init_with_hook(lambda **kw: seen.update(kw))
+    init = launcher._ray_init_with_hook(lambda **kw: seen.update(kw))
     init(runtime_env={"env_vars": {"NCCL_DEBUG": "WARN"}})
     env = seen["runtime_env"]
     assert env["env_vars"] == {"NCCL_DEBUG": "WARN", borl.ENV: os.environ[borl.ENV]}, env

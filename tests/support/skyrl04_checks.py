@@ -191,22 +191,26 @@ def _():
     return float(loss)
 
 
-def refused(overrides, *needles, cls=None):
+def refused(overrides, *needles, cls=None, once=None):
+    """The ValueError of building the config, holding every needle; `once`: the key, named exactly once (one
+    message, not a second check's stacked on it)."""
     try:
         trainer_config(*overrides, cls=cls)
     except ValueError as exc:
         assert all(n in str(exc) for n in needles), str(exc)
+        assert once is None or str(exc).count(once) == 1, str(exc)
         return str(exc)[:90]
     raise AssertionError(f"{overrides} was accepted")
 
 
-@check("bad_settings_refused_naming_the_key")
+@check("bad_options_refused_naming_the_key")
 def _():
     bandpo = "algorithm.policy_loss_type=bandpo"
-    return [refused([bandpo, "algorithm.band_delta=2.0"], "trainer.algorithm.band_delta=2.0"),
-            refused([bandpo, "algorithm.band_divergence=reverse_kl"], "trainer.algorithm.band_divergence"),
-            refused([bandpo, "algorithm.band_dual_clip=1.0"], "trainer.algorithm.band_dual_clip"),
-            refused([bandpo, "algorithm.band_clip=ppo"], "trainer.algorithm.band_clip")]
+    cases = (("band_delta", "2.0", "2.0"), ("band_delta", "-1.0", "-1.0"),
+             ("band_divergence", "reverse_kl", "'reverse_kl'"), ("band_max_ratio", "0.5", "0.5"),
+             ("band_dual_clip", "1.0", "1.0"), ("band_clip", "ppo", "'ppo'"), ("band_clip", "dcpo", "'dcpo'"))
+    return [refused([bandpo, f"algorithm.{key}={value}"], shown, once=f"trainer.algorithm.{key}")
+            for key, value, shown in cases]
 
 
 @check("misspelt_band_key_refused")

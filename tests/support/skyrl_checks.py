@@ -133,19 +133,21 @@ def _():
     return float(loss)
 
 
-@check("bad_settings_refused_naming_the_key")
+@check("bad_options_refused_naming_the_key")
 def _():
+    """Each bad value: one message that names trainer.algorithm.<key> once, with the value."""
     out = []
-    for key, value, match in (("band_delta", 2.0, "trainer.algorithm.band_delta=2.0"),
-                              ("band_divergence", "reverse_kl", "no compiled kernel"),
-                              ("band_dual_clip", 1.0, "trainer.algorithm.band_dual_clip"),
-                              ("band_clip", "ppo", "trainer.algorithm.band_clip"),
-                              ("loss_reduction", "token_sum", "trainer.algorithm.loss_reduction")):
+    for key, value, shown in (("band_delta", 2.0, "2.0"), ("band_delta", -1.0, "-1.0"),
+                              ("band_divergence", "reverse_kl", "'reverse_kl'"), ("band_divergence", "js", "'js'"),
+                              ("band_max_ratio", 0.5, "0.5"), ("band_dual_clip", 1.0, "1.0"),
+                              ("band_dual_clip", float("nan"), "nan"), ("band_clip", "ppo", "'ppo'"),
+                              ("band_clip", "dcpo", "'dcpo'"), ("loss_reduction", "token_sum", "'token_sum'")):
         try:
             bsky.check_config(algorithm_config(policy_loss_type="bandpo", **{key: value}))
         except ValueError as exc:
-            assert match in str(exc), str(exc)
-            out.append(str(exc)[:80])
+            message = str(exc)
+            assert message.count(f"trainer.algorithm.{key}") == 1 and shown in message, message
+            out.append(message[:80])
         else:
             raise AssertionError(f"{key}={value!r} was accepted")
     return out
