@@ -389,7 +389,7 @@ class BandGRPOTrainer(GRPOTrainer):
         if self.args.band_fused_linear:
             from .trl_fused_linear import fused_linear_loss
 
-            return fused_linear_loss(self, model, inputs)
+            return fused_linear_loss(self, model, inputs, band_loss_settings(self.args))
         captured = []
         policy_forward = self._get_per_token_logps_and_entropies
 

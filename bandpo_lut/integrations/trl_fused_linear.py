@@ -96,11 +96,11 @@ def _normalised_weights(trainer, inputs, mask: torch.Tensor) -> torch.Tensor:
     return w / den.to(w.device)
 
 
-def fused_linear_loss(trainer, model, inputs):
-    """BandGRPOTrainer's loss for one micro-batch with fused_linear_policy_loss (see the module docstring)."""
+def fused_linear_loss(trainer, model, inputs, settings):
+    """BandGRPOTrainer's loss for one micro-batch with fused_linear_policy_loss (see the module docstring);
+    `settings`: the config's LossSettings (trl.band_loss_settings), the unfused loss's, token-summed over the
+    weights below."""
     from bandpo_lut.runtime.fused_linear import fused_linear_policy_loss
-
-    from .trl import band_loss_settings
 
     old = inputs.get("old_per_token_logps")
     if old is None:
@@ -122,7 +122,6 @@ def fused_linear_loss(trainer, model, inputs):
     advantages = advantages.expand(completion_ids.shape)
     beta = float(trainer.beta)
     ref = inputs["ref_per_token_logps"] if beta != 0.0 else None
-    settings = band_loss_settings(trainer.args)   # the unfused loss's, token-summed over the weights below
     loss, _, entropy, log_prob = fused_linear_policy_loss(
         hidden, head.weight, completion_ids.to(hidden.device), old, advantages, _normalised_weights(trainer, inputs,
                                                                                                     mask),
