@@ -38,6 +38,7 @@ and a masked one (w == 0, e.g. a -100 label on padding) is ignored like any othe
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -151,6 +152,7 @@ def _host_number(value) -> tuple[torch.Tensor | None, float]:
 
 
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def _autocast_inputs(hidden, weight, bias):
@@ -158,7 +160,8 @@ def _autocast_inputs(hidden, weight, bias):
     device type when autocast is on there (each floating input but float64, which autocast leaves alone), so
     that the matmuls run where autocast runs them. A differentiable cast: the gradients come back in the
     inputs' own dtypes. Unchanged when autocast is off (then mismatched dtypes are refused by _check_inputs)."""
-    if not isinstance(hidden, torch.Tensor) or not torch.is_autocast_enabled(hidden.device.type):
+    if not (isinstance(hidden, torch.Tensor) and torch.amp.is_autocast_available(hidden.device.type)
+            and torch.is_autocast_enabled(hidden.device.type)):
         return hidden, weight, bias
     target = torch.get_autocast_dtype(hidden.device.type)
 
@@ -293,7 +296,8 @@ def _chunked_pass_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
     Returns (log_prob (n,), entropy (n,) or (0,), grad_h, grad_w, grad_b), each gradient (0,) when not asked
     for. log_prob and entropy in the softmax dtype (float32 at least), grad_h and grad_w in the inputs' dtype
     (one buffer each, written by the GEMMs in place), grad_b in the softmax dtype."""
-    with torch.autocast(hidden.device.type, enabled=False):
+    device_type = hidden.device.type
+    with torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) else _NO_CONTEXT:
         # The inputs arrive in one dtype (cast by _autocast_inputs); the float32 ops inside (the entropy's
         # batched dot product) must stay float32 under a caller's autocast.
         return _chunk_loop(hidden, weight, bias, ids, olp, adv, mask, delta, token_scale, kl_scale, ref,
