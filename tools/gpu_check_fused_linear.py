@@ -88,8 +88,8 @@ def check(report, g, device="cuda") -> None:
     errs = [_rel(a, b) for a, b in zip(got, want)]
     report(f"under autocast (bf16 hidden, float32 head) fused == unfused on {device}", max(errs) <= 2e-2,
            " ".join(f"{e:.1e}" for e in errs))
-    if device != "cpu":
-        x = _inputs(g, 3, 70, 64, 3000, device, torch.float32)
+    for dtype in (torch.float32, torch.bfloat16) if device != "cpu" else ():
+        x = _inputs(g, 3, 70, 64, 3000, device, dtype)
         _grads(_fused, x, **kw)            # first call (table upload, extension load) outside the check
         torch.cuda.synchronize()
         try:
@@ -100,7 +100,7 @@ def check(report, g, device="cuda") -> None:
             ok, detail = False, str(err).splitlines()[0][:80]
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        report("fused fwd+bwd without host synchronisation (sync debug mode 'error')", ok, detail)
+        report(f"fused fwd+bwd, {dtype}, without host synchronisation (sync debug mode 'error')", ok, detail)
     x = _inputs(g, 2, 40, 32, 500, device, torch.float32)
     compiled = torch.compile(lambda *a: _fused(*a, **kw), fullgraph=True)
     errs = [_rel(a, b) for a, b in zip(_grads(compiled, x), _grads(_fused, x, **kw))]

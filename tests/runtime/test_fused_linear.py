@@ -432,21 +432,23 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("entropy,buffers", [(False, 1), (True, 2)])
-def test_peak_memory_chunk_buffers(entropy, buffers):
+@pytest.mark.parametrize("dtype,entropy,buffers", [(torch.float32, False, 1), (torch.float32, True, 2),
+                                                   (torch.bfloat16, False, 1.5)])
+def test_peak_memory_chunk_buffers(dtype, entropy, buffers):
     """Peak live bytes of the forward, gradients and O(tokens) vectors aside: one chunk x vocab float32 buffer
-    (two with return_entropy), as docs/fused_linear.md says. Before: the previous chunk's buffer was still
-    referenced when the next chunk's logits were allocated (two, three with entropy)."""
+    (two with return_entropy; bf16 adds half a buffer: the chunk's logit gradient in bf16, and on the CPU the
+    bf16 product before its float32 copy, never both at once), as docs/fused_linear.md says. Before: the previous
+    chunk's buffer was still referenced when the next chunk's logits were allocated (two, three with entropy)."""
     vocab, width, steps, chunk = 4000, 4, 256, 64
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(2, steps, width, generator=g, requires_grad=True)
-    weight = torch.randn(vocab, width, generator=g, requires_grad=True)
+    hidden = torch.randn(2, steps, width, generator=g).to(dtype).requires_grad_()
+    weight = torch.randn(vocab, width, generator=g).to(dtype).requires_grad_()
     ids = torch.randint(0, vocab, (2, steps), generator=g)
     old, adv = -torch.rand(2, steps, generator=g), torch.randn(2, steps, generator=g)
     with _LiveBytes() as mode:
         bandpo_lut.fused_linear_policy_loss(hidden, weight, ids, old, adv, chunk_size=chunk, return_entropy=entropy)
     buffer = chunk * vocab * 4
-    grads = (hidden.numel() + weight.numel()) * 4
+    grads = (hidden.numel() + weight.numel()) * hidden.element_size()
     extra = mode.peak - grads
     assert buffers * buffer <= extra < (buffers + 0.5) * buffer, extra / buffer
 
