@@ -326,6 +326,10 @@ def _chunk_loop(hidden, weight, bias, ids, olp, adv, mask, delta, token_scale, k
     log_prob = torch.empty((n_tokens,), dtype=acc, device=hidden.device)
     entropy = torch.empty((n_tokens,), dtype=acc, device=hidden.device) if want_entropy else empty()
     one = torch.ones((), dtype=dtype, device=hidden.device)
+    # which ids are in range, and the column each token reads (0 for the others): once for all tokens, not a
+    # handful of small launches per chunk
+    in_range_all = (ids >= 0) & (ids < vocab)
+    idx_all = torch.where(in_range_all, ids, torch.zeros_like(ids)).long()
 
     for start in range(0, n_tokens, chunk):
         end = min(start + chunk, n_tokens)
@@ -336,9 +340,7 @@ def _chunk_loop(hidden, weight, bias, ids, olp, adv, mask, delta, token_scale, k
             logits.div_(temperature)
         # log-softmax in place, without logsumexp's chunk-sized temporary: z - max, then exp
         logits.sub_(logits.amax(dim=1, keepdim=True))
-        ids_c = ids[sl]
-        in_range = (ids_c >= 0) & (ids_c < vocab)
-        idx = torch.where(in_range, ids_c, torch.zeros_like(ids_c)).long()
+        in_range, idx = in_range_all[sl], idx_all[sl]
         chosen = logits.gather(1, idx.unsqueeze(1)).squeeze(1)
         if want_entropy:
             probs = torch.exp(logits)   # a second chunk x vocab buffer: the entropy reads both
