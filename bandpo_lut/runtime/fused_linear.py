@@ -248,15 +248,18 @@ def _per_token(ops, x, batch, steps):
 
 def _chunk_grad_logits(exps, total, g, idx, temperature, out_dtype):
     """d loss / d logits = g * (onehot(idx) - softmax) / T of a chunk whose exps (exp(z - max), row sums `total`)
-    are given, in out_dtype. Written as (-g / (T * total)) * (exps - total * onehot): the one-hot part goes into
-    exps first (a per-row scatter), then one pass scales every entry. float32 weights: in place. bf16/fp16
-    weights on CUDA: that pass writes the low-precision buffer the GEMMs read (the kernel casts as it stores);
-    on the CPU, where TensorIterator would compute into a float32 temporary and copy it, in place and then one
-    conversion."""
+    are given, in out_dtype. float32 weights, and every dtype on the CPU: in place, scale = g / T times -exps /
+    total, then + scale at the token (one scaling pass and a per-row scatter), converted once for bf16/fp16.
+    bf16/fp16 weights on CUDA: the one-hot part first (exps - total at the token), then one pass that scales
+    every entry by -g / (T * total) and stores it in out_dtype, the buffer the GEMMs read (the kernel casts as
+    it stores; on the CPU TensorIterator would compute into a float32 temporary and copy it)."""
+    if out_dtype == exps.dtype or not exps.is_cuda:
+        scale = g / temperature
+        exps.mul_((-scale / total).unsqueeze(1))
+        exps.scatter_add_(1, idx.unsqueeze(1), scale.unsqueeze(1))
+        return exps.to(out_dtype)
     exps.scatter_add_(1, idx.unsqueeze(1), -total.unsqueeze(1))
     coeff = (g / (-temperature * total)).unsqueeze(1)
-    if out_dtype == exps.dtype or not exps.is_cuda:
-        return exps.mul_(coeff).to(out_dtype)
     return torch.mul(exps, coeff, out=torch.empty(exps.shape, dtype=out_dtype, device=exps.device))
 
 
