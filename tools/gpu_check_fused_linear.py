@@ -1,9 +1,11 @@
 """The CUDA part of tools/gpu_check.py for `bandpo_lut.fused_linear_policy_loss` (imported by it).
 
-check(report, g): the fused loss on CUDA against the unfused path on CUDA (float32 to 1e-5, bfloat16 to the
-    tolerance of tests/runtime/test_fused_linear.py) and against the fused loss on CPU; forward and backward under
+check(report, g): the fused loss on CUDA against the unfused path on CUDA (float32 to 1e-5, bfloat16 and a bf16
+    hidden state next to a float32 head under autocast to the tolerance of tests/runtime/test_fused_linear.py) and
+    against the fused loss on CPU; forward and backward under
     torch.cuda.set_sync_debug_mode("error") (any host synchronisation raises); torch.compile(fullgraph=True).
-timing(report): N = 4096 tokens (4 x 1024), H = 1024, V = 32768 and 131072, LM head frozen and trained:
+timing(report): N = 4096 tokens (4 x 1024), H = 1024, V = 32768 and 131072, LM head frozen and trained,
+    float32 and bfloat16 (hidden and head in that dtype; the unfused path's log_softmax in float32):
     peak extra memory (torch.cuda.max_memory_allocated above what was allocated before the step, minus the
     gradients of hidden and weight) and fwd+bwd time of the unfused path, the fused one and, where
     liger-kernel is installed, Liger's fused-linear GRPO loss (fixed eps 0.2, loss_type "bnpo", no KL).
@@ -77,8 +79,17 @@ def check(report, g, device="cuda") -> None:
                         for t in x)
             errs = [_rel(a, b) for a, b in zip(got, _grads(_fused, cpu, **kw))]
             report("fused on CUDA == fused on CPU", max(errs) <= 1e-5, " ".join(f"{e:.1e}" for e in errs))
-    if device != "cpu":
-        x = _inputs(g, 3, 70, 64, 3000, device, torch.float32)
+    # a bf16 hidden state next to a float32 head under autocast (as a model under autocast hands them over)
+    x = _inputs(g, 3, 70, 64, 3000, device, torch.float32)
+    x = (x[0].detach().bfloat16().requires_grad_(),) + x[1:]
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        got = _grads(_fused, x, **kw)
+        want = _grads(_unfused, x, **{k: v for k, v in kw.items() if k != "chunk_size"})
+    errs = [_rel(a, b) for a, b in zip(got, want)]
+    report(f"under autocast (bf16 hidden, float32 head) fused == unfused on {device}", max(errs) <= 2e-2,
+           " ".join(f"{e:.1e}" for e in errs))
+    for dtype in (torch.float32, torch.bfloat16) if device != "cpu" else ():
+        x = _inputs(g, 3, 70, 64, 3000, device, dtype)
         _grads(_fused, x, **kw)            # first call (table upload, extension load) outside the check
         torch.cuda.synchronize()
         try:
@@ -89,7 +100,7 @@ def check(report, g, device="cuda") -> None:
             ok, detail = False, str(err).splitlines()[0][:80]
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        report("fused fwd+bwd without host synchronisation (sync debug mode 'error')", ok, detail)
+        report(f"fused fwd+bwd, {dtype}, without host synchronisation (sync debug mode 'error')", ok, detail)
     x = _inputs(g, 2, 40, 32, 500, device, torch.float32)
     compiled = torch.compile(lambda *a: _fused(*a, **kw), fullgraph=True)
     errs = [_rel(a, b) for a, b in zip(_grads(compiled, x), _grads(_fused, x, **kw))]
@@ -140,7 +151,8 @@ def _measure(fn, x, device, reps):
     return peak, statistics.median(times)
 
 
-def timing(report, device="cuda", rows=4, steps=1024, hidden=1024, vocabs=(32768, 131072), reps=5) -> None:
+def timing(report, device="cuda", rows=4, steps=1024, hidden=1024, vocabs=(32768, 131072), reps=5,
+           dtypes=("float32", "bfloat16")) -> None:
     import torch
 
     paths = [("unfused", _unfused), ("fused", _fused)]
@@ -148,28 +160,29 @@ def timing(report, device="cuda", rows=4, steps=1024, hidden=1024, vocabs=(32768
     if liger is not None:
         paths.append(("liger (fixed eps)", liger))
     n = rows * steps
-    print(f"\n[timing] fused-linear policy loss, float32, N = {n} ({rows} x {steps}), H = {hidden}, {device}; "
+    print(f"\n[timing] fused-linear policy loss, N = {n} ({rows} x {steps}), H = {hidden}, {device}; "
           f"memory: max_memory_allocated above the step's start, minus the gradients of hidden and weight"
           + ("" if liger is not None else "; liger-kernel not installed"))
-    print(f"  {'V':>7s} {'head':>7s} {'path':20s} {'extra MB':>9s} {'ms':>9s} {'x unfused':>9s}")
-    for vocab in vocabs:
-        for train in (False, True):
-            g = torch.Generator().manual_seed(vocab + train)
-            x = _inputs(g, rows, steps, hidden, vocab, device, torch.float32, train_head=train)
-            grads = 4 * (n * hidden + (vocab * hidden if train else 0))
-            results = {}
-            for name, fn in paths:
-                kw = {} if name.startswith("liger") else dict(max_ratio=10.0, dual_clip=10.0)
-                peak, sec = _measure(lambda *a, fn=fn, kw=kw: fn(*a, **kw), x, device, reps)
-                results[name] = (None if peak is None else (peak - grads) / 2 ** 20, sec)
-                mb = "n/a" if peak is None else f"{results[name][0]:9.0f}"
-                print(f"  {vocab:7d} {'trained' if train else 'frozen':>7s} {name:20s} {mb:>9s} {sec * 1e3:9.1f} "
-                      f"{sec / results['unfused'][1]:9.2f}", flush=True)
-            (mu, _), (mf, _) = results["unfused"], results["fused"]
-            if vocab == 131072 and mu is not None:
-                report(f"fused extra memory <= 1/8 of unfused (V = {vocab}, head {'trained' if train else 'frozen'})",
-                       mf <= MEMORY_RATIO_MAX * mu, f"{mf:.0f} MB vs {mu:.0f} MB")
-            del x
+    print(f"  {'dtype':>8s} {'V':>7s} {'head':>7s} {'path':20s} {'extra MB':>9s} {'ms':>9s} {'x unfused':>9s}")
+    for dtype, vocab, train in ((d, v, t) for d in dtypes for v in vocabs for t in (False, True)):
+        g = torch.Generator().manual_seed(vocab + train)
+        x = _inputs(g, rows, steps, hidden, vocab, device, getattr(torch, dtype), train_head=train)
+        size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        grads = size * (n * hidden + (vocab * hidden if train else 0))
+        results = {}
+        for name, fn in paths:
+            kw = {} if name.startswith("liger") else dict(max_ratio=10.0, dual_clip=10.0)
+            peak, sec = _measure(lambda *a, fn=fn, kw=kw: fn(*a, **kw), x, device, reps)
+            results[name] = (None if peak is None else (peak - grads) / 2 ** 20, sec)
+            mb = "n/a" if peak is None else f"{results[name][0]:9.0f}"
+            print(f"  {dtype:>8s} {vocab:7d} {'trained' if train else 'frozen':>7s} {name:20s} {mb:>9s} "
+                  f"{sec * 1e3:9.1f} "
+                  f"{sec / results['unfused'][1]:9.2f}", flush=True)
+        (mu, _), (mf, _) = results["unfused"], results["fused"]
+        if vocab == 131072 and mu is not None:
+            report(f"fused extra memory <= 1/8 of unfused ({dtype}, V = {vocab}, head "
+                   f"{'trained' if train else 'frozen'})", mf <= MEMORY_RATIO_MAX * mu, f"{mf:.0f} MB vs {mu:.0f} MB")
+        del x
 
 
 if __name__ == "__main__":   # the CPU dry run

@@ -126,7 +126,7 @@ def fused_linear_loss(trainer, model, inputs, settings):
         hidden, head.weight, completion_ids.to(hidden.device), old, advantages, _normalised_weights(trainer, inputs,
                                                                                                     mask),
         bias=head.bias, temperature=trainer.temperature, ref_log_prob=ref, beta=beta, return_entropy=True,
-        settings=settings, _with_log_prob=True)
+        settings=settings, return_log_prob=True)
     _log_like_trl(trainer, mask, entropy, log_prob, ref)
     trainer._record_band_counts(inputs, log_prob, old)
     return loss

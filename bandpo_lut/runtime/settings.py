@@ -157,7 +157,7 @@ def resolve(settings: LossSettings | None, options: dict, where: str) -> LossSet
     """The settings an entry point uses: `settings` as given (then every keyword option must be left at its
     default), or a LossSettings built from the keyword options."""
     if settings is None:
-        return LossSettings(**options)
+        return _from_keywords(options)
     if not isinstance(settings, LossSettings):
         raise TypeError(f"{where}: settings must be a bandpo_lut.LossSettings, got {type(settings).__name__}")
     given = [k for k, v in options.items()
@@ -166,6 +166,29 @@ def resolve(settings: LossSettings | None, options: dict, where: str) -> LossSet
         raise ValueError(f"{where}: give the options either as settings=LossSettings(...) or as keyword "
                          f"arguments, not both (also given: {', '.join(given)})")
     return settings
+
+
+# Settings built from keyword options, by (type, value) of each option: an eager training loop that calls
+# policy_loss with the same keywords every step validates them once (building and validating cost ~30 us a call,
+# a tenth of a small batch's eager step). Bounded (a δ schedule brings a new value every step): emptied when full.
+_BUILT: dict = {}
+_BUILT_MAX = 64
+
+
+def _from_keywords(options: dict) -> LossSettings:
+    """LossSettings(**options), memoised in eager code for options that are all plain numbers, strings and None.
+    Under torch.compile the object is built as before (a symbolic δ must not become a dictionary key: that would
+    guard on its value, one graph per δ); a tensor δ is never a key (equal tensors are not equal keys)."""
+    if torch.compiler.is_compiling() or any(not isinstance(v, (str, int, float, type(None))) for v in options.values()):
+        return LossSettings(**options)
+    key = tuple((k, type(v), v) for k, v in options.items())
+    built = _BUILT.get(key)
+    if built is None:
+        built = LossSettings(**options)   # raises for bad options: nothing is stored
+        if len(_BUILT) >= _BUILT_MAX:
+            _BUILT.clear()
+        _BUILT[key] = built
+    return built
 
 
 # The keyword defaults, read once here (Dynamo cannot trace dataclasses.fields inside a compiled frame).
