@@ -134,7 +134,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dump", type=Path, help="write DIR/<variant>.txt: one line per result and its digest")
     args = ap.parse_args()
-    probe = subprocess.run([sys.executable, "-c", "import bandpo_lut; from bandpo_lut import _extension; "
+    probe = subprocess.run([sys.executable, "-c", "import bandpo_lut; from bandpo_lut.runtime import _extension; "
                             "print(_extension.facts()['cpu']['isa'])"], env={k: v for k, v in os.environ.items()
                                                                            if k != "BANDPO_LUT_CPU_VARIANT"},
                            cwd="/", capture_output=True, text=True, check=True)

@@ -85,7 +85,7 @@ def test_facts_json_is_the_documented_object():
 def test_a_bad_cpu_variant_is_reported_in_the_facts_at_import(fresh):
     """The one error path that runs at import (BANDPO_LUT_CPU_VARIANT misspelt): the import succeeds and the facts
     carry the message, which names the variable and the value (written as one C string, no ostream)."""
-    code = ("import json, torch; from bandpo_lut import _extension; "
+    code = ("import json, torch; from bandpo_lut.runtime import _extension; "
             "print(json.dumps(json.loads(_extension.load().facts_json)['cpu']))")
     proc = fresh(["-c", code], env=fresh_env(BANDPO_LUT_CPU_VARIANT="avx9000"), check=True)
     cpu = json.loads(proc.stdout.strip().splitlines()[-1])
