@@ -87,7 +87,8 @@ def op_inputs(log_prob, old_log_prob, advantages, mask, settings: _settings.Loss
     delta_t, delta_s = None, 0.0
     if clip == "band":
         if isinstance(delta, torch.Tensor):
-            delta_t = delta.to(dtype)    # broadcast to (batch, T) inside the op
+            # In its own dtype, broadcast to (batch, T) inside the op, which decides its range in that dtype.
+            delta_t = delta
         else:   # already checked against the table's range by LossSettings; this is the ops' form of it
             delta_t, delta_s = _cache.scalar_delta(delta, meta)
     max_ratio, dual_clip = settings.max_ratio, settings.dual_clip
