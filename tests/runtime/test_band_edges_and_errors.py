@@ -116,8 +116,8 @@ def test_reference_bounds_is_callable_as_documented():
 def test_band_policy_loss_refuses_bad_settings_at_construction():
     with pytest.raises(ValueError, match="divergence"):
         bandpo_lut.BandPolicyLoss(divergence="nope")
-    with pytest.raises(ValueError, match="divergence: 'reverse_kl' has no compiled kernel"):
+    with pytest.raises(ValueError, match="divergence='reverse_kl' has no compiled kernel"):
         bandpo_lut.BandPolicyLoss(divergence="reverse_kl")
-    with pytest.raises(ValueError, match="delta: 2.0 is outside"):
+    with pytest.raises(ValueError, match="delta=2.0 is outside"):
         bandpo_lut.BandPolicyLoss(delta=2.0)
     bandpo_lut.BandPolicyLoss(clip="fixed", divergence="kl")   # the baselines ignore the band
