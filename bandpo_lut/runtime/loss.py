@@ -135,11 +135,19 @@ class BandPolicyLoss(torch.nn.Module):
             self.register_buffer("delta", built.delta)
         self._built = built
 
+    def __setstate__(self, state):
+        # A module pickled whole (torch.save(module)) by a build that kept only `settings` and the buffer: its
+        # settings object is built (and validated) at its first call, from those.
+        state.setdefault("_built", None)
+        super().__setstate__(state)
+
     def loss_settings(self) -> _settings.LossSettings:
         """The settings of the next call: the object built at construction, rebuilt (and validated) only when
         `module.settings` was changed (a δ schedule), with the buffer δ when δ is a tensor."""
         options = self.settings if "delta" in self.settings else dict(self.settings, delta=self.delta)
         built = self._built
+        if built is None:
+            built = self._built = _settings.LossSettings(**options)
         if all(options[k] is getattr(built, k) for k in _settings.FIELDS):
             return built
         return _settings.LossSettings(**options)
