@@ -222,6 +222,7 @@ def _read_at_import(tmp_path, at_import, later):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow   # seven fresh processes, ~25 s
 @pytest.mark.skipif(len(SUPPORTED) < 2, reason="this CPU runs one variant: no other to change to")
 def test_the_variable_is_read_once_at_import_by_kernels_and_reports_alike(tmp_path):
     """Changed after `import bandpo_lut`, the variable changes neither the kernels (their bits are those of the
@@ -231,13 +232,13 @@ def test_the_variable_is_read_once_at_import_by_kernels_and_reports_alike(tmp_pa
     best, slowest = SUPPORTED[-1], SUPPORTED[0]
     forced = {v: _read_at_import(tmp_path, v, "-") for v in (best, slowest)}
     assert forced[best]["bits"] != forced[slowest]["bits"]    # the premise: the two variants are told apart
-    for at_import, later in ((None, slowest), (best, slowest), (slowest, best), (slowest, "-"), (best, "avx1024")):
+    for at_import, later in ((None, slowest), (slowest, best), (best, "avx1024")):
         got = _read_at_import(tmp_path, at_import, later)
         want = at_import or best
         assert got["facts"] == got["build_info"] == want, (at_import, later, got)
         assert f"variant {want} " in got["bench"], (at_import, later, got)
         assert got.get("bits") == forced[want]["bits"], (at_import, later, got)
-    for later in ("-", "auto", best):
+    for later in ("auto", best):
         got = _read_at_import(tmp_path, "avx1024", later)
         assert got["facts"] is None and "'avx1024'" in got["build_info"], got
         assert "BANDPO_LUT_CPU_VARIANT='avx1024'" in got["error"] and "read once" in got["error"], got
