@@ -11,7 +11,8 @@ and device against the batch at call time (`loss_spec.check_tensors`).
 
 `field_names` maps option names to the names the user wrote (a trainer integration's config fields, e.g.
 ``{"delta": "band_delta"}``): with it, every message names the user's field (``band_delta=2.0 is outside ...``);
-without it, the library's names (``policy_loss: ...``, ``delta: ...``).
+without it, the option's own name (``delta=2.0 is outside ...``). Each option has one check, with one message and
+one exception type, naming the option and the value given (``dual_clip must be None or a number > 1, got 0.5``).
 """
 from __future__ import annotations
 
