@@ -27,24 +27,63 @@ inline bool is_host_scalar_delta(const c10::optional<at::Tensor>& delta) {
   return delta.has_value() && delta->dim() == 0 && delta->device().is_cpu();
 }
 
-// The δ the kernels get: a per-element tensor, or one number (the scalar argument, or a host 0-dim tensor,
-// which like any δ tensor gives NaN bounds when out of range: then `all_nan`).
+// x rounded to the storage type `t` of a δ tensor, back in double.
+inline double round_to(at::ScalarType t, double x) {
+  switch (t) {
+    case at::kFloat:
+      return static_cast<double>(static_cast<float>(x));
+    case at::kHalf:
+      return static_cast<double>(static_cast<float>(c10::Half(static_cast<float>(x))));
+    case at::kBFloat16:
+      return static_cast<double>(static_cast<float>(c10::BFloat16(static_cast<float>(x))));
+    default:
+      return x;
+  }
+}
+
+// Whether every value of dtype `from` is exact in dtype `to`.
+inline bool converts_exactly(at::ScalarType from, at::ScalarType to) {
+  return from == to || to == at::kDouble || (to == at::kFloat && from != at::kDouble);
+}
+
+// The δ the kernels get: a per-element tensor in p's dtype, or one number (the scalar argument, or a host 0-dim
+// tensor, which like any δ tensor gives NaN bounds when out of range: then `all_nan`). Whether a δ tensor's
+// entry is in range is decided in the tensor's own dtype: the range ends rounded to it (an entry that rounds
+// across an end in its own dtype, bfloat16's 9.995e-4 for 1e-3, is that end). [valid_min, valid_max] is that
+// range in the kernels' terms (bandpo_math.h delta_valid).
 struct DeltaArg {
   c10::optional<at::Tensor> per_token;
   double scalar;
   bool all_nan;
+  double valid_min;
+  double valid_max;
   bool per_token_mode() const { return per_token.has_value(); }
 };
 
-inline double round_to(at::ScalarType t, double x);
-
-inline DeltaArg resolve_delta(const c10::optional<at::Tensor>& delta, double delta_scalar, c10::ArrayRef<double> grid) {
-  if (!is_host_scalar_delta(delta)) return {delta, delta_scalar, false};
-  const double d = delta->item<double>();
+inline DeltaArg resolve_delta(const char* op, const c10::optional<at::Tensor>& delta, double delta_scalar,
+                              c10::ArrayRef<double> grid, const at::Tensor& prob) {
+  TORCH_CHECK(grid.size() == kGridLen, op, ": grid must have ", kGridLen, " entries");
   const double dmin = grid[kDeltaMin], dmax = grid[kDeltaMax];
-  const double lo = round_to(delta->scalar_type(), dmin), hi = round_to(delta->scalar_type(), dmax);
-  const bool ok = d >= lo && (d < hi || (d == hi && grid[kDeltaMaxInclusive] != 0.0));
-  return {c10::nullopt, ok ? std::min(std::max(d, dmin), dmax) : dmin, !ok};
+  const bool max_inclusive = grid[kDeltaMaxInclusive] != 0.0;
+  if (!delta.has_value()) return {c10::nullopt, delta_scalar, false, dmin, dmax};
+  const at::ScalarType own = delta->scalar_type();
+  TORCH_CHECK(is_supported_float(own), op, ": delta must be a floating tensor, got ", own);
+  const double lo = round_to(own, dmin), hi = round_to(own, dmax);
+  if (is_host_scalar_delta(delta)) {
+    const double d = delta->item<double>();
+    const bool ok = d >= lo && (d < hi || (d == hi && max_inclusive));
+    return {c10::nullopt, ok ? std::min(std::max(d, dmin), dmax) : dmin, !ok, dmin, dmax};
+  }
+  TORCH_CHECK(delta->device() == prob.device(), op, ": delta is on ", delta->device(), " but p_old is on ",
+              prob.device());
+  const at::ScalarType compute = prob.scalar_type();
+  if (converts_exactly(own, compute)) return {delta->to(compute), delta_scalar, false, lo, hi};
+  // Narrowed (a float64 δ with float32 p): rounding to p's dtype could move an entry across an end, so the range
+  // is applied in δ's own dtype here, out-of-range entries become NaN, and the kernels pass every other entry.
+  const at::Tensor in_range = delta->ge(lo).logical_and(max_inclusive ? delta->le(hi) : delta->lt(hi));
+  const double inf = std::numeric_limits<double>::infinity();
+  return {delta->to(compute).masked_fill(in_range.logical_not(), std::numeric_limits<double>::quiet_NaN()),
+          delta_scalar, false, -inf, inf};
 }
 
 // band_applies: false for the loss's baseline clips, which read neither the table nor the δ range.
@@ -58,7 +97,7 @@ inline void check_prob_and_delta(const char* op, const at::Tensor& prob, const c
   if (is_host_scalar_delta(delta)) {
     TORCH_CHECK(is_supported_float(delta->scalar_type()), op, ": delta must be a floating tensor, got ",
                 delta->scalar_type());
-  } else if (delta.has_value()) {
+  } else if (delta.has_value()) {  // resolved (resolve_delta): in p's dtype
     TORCH_CHECK(delta->scalar_type() == prob.scalar_type(), op, ": delta tensor dtype ", delta->scalar_type(),
                 " differs from p_old's ", prob.scalar_type());
     TORCH_CHECK(delta->device() == prob.device(), op, ": delta is on ", delta->device(), " but p_old is on ",
@@ -79,23 +118,10 @@ inline void check_prob_and_delta(const char* op, const at::Tensor& prob, const c
   TORCH_CHECK(max_ratio >= 1.0, op, ": max_ratio must be >= 1, got ", max_ratio);
 }
 
-// x rounded to the storage type `t` of a per-token δ tensor, back in double.
-inline double round_to(at::ScalarType t, double x) {
-  switch (t) {
-    case at::kFloat:
-      return static_cast<double>(static_cast<float>(x));
-    case at::kHalf:
-      return static_cast<double>(static_cast<float>(c10::Half(static_cast<float>(x))));
-    case at::kBFloat16:
-      return static_cast<double>(static_cast<float>(c10::BFloat16(static_cast<float>(x))));
-    default:
-      return x;
-  }
-}
-
-// delta_dtype: the storage type of a per-token δ, whose range ends count as those ends rounded to it.
+// delta: from resolve_delta (its number, and the range of a per-token δ's entries).
 inline BandParams make_params(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence, bool log_input,
-                              double delta, double max_ratio, at::ScalarType delta_dtype = at::kDouble) {
+                              const DeltaArg& delta_arg, double max_ratio) {
+  const double delta = delta_arg.scalar;
   BandParams band{};
   band.table.coef = table.data_ptr<float>();
   band.table.nt = std::max(0, static_cast<int>(table.size(1)) - 2);  // 0 for a placeholder (closed forms)
@@ -107,8 +133,8 @@ inline BandParams make_params(const at::Tensor& table, c10::ArrayRef<double> gri
   band.table.delta_min = grid[kDeltaMin];
   band.table.delta_max = grid[kDeltaMax];
   band.table.delta_max_inclusive = grid[kDeltaMaxInclusive] != 0.0;
-  band.table.valid_min = round_to(delta_dtype, grid[kDeltaMin]);
-  band.table.valid_max = round_to(delta_dtype, grid[kDeltaMax]);
+  band.table.valid_min = delta_arg.valid_min;
+  band.table.valid_max = delta_arg.valid_max;
   band.divergence = static_cast<Divergence>(divergence);  // checked by check_prob_and_delta
   band.log_input = log_input;
   band.max_ratio = std::isnan(max_ratio) ? std::numeric_limits<double>::infinity() : max_ratio;

@@ -120,12 +120,12 @@ inline std::string facts_json() {
   o += "]}, \"cpu\": {\"isa\": ";
   append_quoted(o, cpu_variant_name(cpu_variant_supported()));
   o += ", ";
-  try {
-    const char* variant = cpu_variant_name(cpu_variant_from_env());  // may raise: write nothing before
+  const CpuVariantChoice& choice = cpu_variant_choice();  // the kernels' choice, made here at import
+  if (choice.variant >= 0) {
     o += "\"variant\": ";
-    append_quoted(o, variant);
-  } catch (const c10::Error& e) {
-    std::string msg = e.what_without_backtrace();
+    append_quoted(o, cpu_variant_name(static_cast<CpuVariant>(choice.variant)));
+  } else {
+    std::string msg = choice.error;
     for (char& ch : msg)
       if (ch == '"' || ch == '\\' || ch == '\n') ch = ' ';
     o += "\"variant_error\": ";

@@ -16,19 +16,20 @@
 namespace bandpo {
 
 struct LossTensors {
-  at::Tensor lp, olp, adv, mask, delta;  // dense row-major (batch, T); mask and delta may be undefined
-  c10::optional<at::Tensor> host_delta;  // a 0-dim CPU δ, read on the host (see is_host_scalar_delta)
+  at::Tensor lp, olp, adv, mask, delta;  // dense row-major (batch, T); mask and delta (in lp's dtype) may be undefined
+  DeltaArg delta_arg;                    // the δ as resolved (resolve_delta): its number, its entries' range
 };
 
 inline LossTensors check_loss_inputs(const char* op, const at::Tensor& lp, const at::Tensor& olp, const at::Tensor& adv,
-                                     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& delta) {
+                                     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& delta,
+                                     double delta_scalar, c10::ArrayRef<double> grid) {
   TORCH_CHECK(lp.dim() == 2, op, ": log_prob must have shape (batch, T), got ", lp.sizes());
   TORCH_CHECK(is_supported_float(lp.scalar_type()), op, ": log_prob must be floating, got ", lp.scalar_type());
   for (const auto* t : {&olp, &adv}) {
     TORCH_CHECK(t->sizes() == lp.sizes() && t->scalar_type() == lp.scalar_type() && t->device() == lp.device(), op,
                 ": old_log_prob and advantages must match log_prob's shape, dtype and device");
   }
-  LossTensors inputs{lp.contiguous(), olp.contiguous(), adv.contiguous(), at::Tensor(), at::Tensor()};
+  LossTensors inputs{lp.contiguous(), olp.contiguous(), adv.contiguous(), at::Tensor(), at::Tensor(), {}};
   if (mask.has_value()) {
     TORCH_CHECK(mask->sizes() == lp.sizes() && mask->device() == lp.device(), op,
                 ": mask must match log_prob's shape and device");
@@ -37,15 +38,18 @@ inline LossTensors check_loss_inputs(const char* op, const at::Tensor& lp, const
                 ": mask must be bool, uint8 (a bool mask's bytes) or log_prob's dtype, got ", mt);
     inputs.mask = mt == at::kBool ? mask->contiguous().view(at::kByte) : mask->contiguous();
   }
-  if (is_host_scalar_delta(delta)) {
-    inputs.host_delta = delta;
-  } else if (delta.has_value()) {
-    TORCH_CHECK(delta->scalar_type() == lp.scalar_type() && delta->device() == lp.device(), op,
-                ": a delta tensor must have log_prob's dtype and device");
+  if (delta.has_value() && !is_host_scalar_delta(delta)) {
     const auto shape = at::infer_size(delta->sizes(), lp.sizes());  // throws for non-broadcastable shapes
     TORCH_CHECK(c10::IntArrayRef(shape) == lp.sizes(), op, ": delta of shape ", delta->sizes(),
                 " does not broadcast to log_prob's shape ", lp.sizes());
-    inputs.delta = delta->expand(lp.sizes()).contiguous();
+  }
+  inputs.delta_arg = resolve_delta(op, delta, delta_scalar, grid, lp);
+  if (inputs.delta_arg.per_token_mode()) {
+    inputs.delta = inputs.delta_arg.per_token->expand(lp.sizes()).contiguous();
+  } else if (inputs.delta_arg.all_nan) {
+    // A 0-dim δ out of range gives NaN bounds for every token, as out-of-range entries of a per-token δ do.
+    inputs.delta = at::full(lp.sizes(), std::numeric_limits<double>::quiet_NaN(), lp.options());
+    inputs.delta_arg.per_token = inputs.delta;
   }
   return inputs;
 }
@@ -98,10 +102,8 @@ inline LossParams make_loss_params(const at::Tensor& table, c10::ArrayRef<double
                        inputs.delta.defined() ? c10::optional<at::Tensor>(inputs.delta) : c10::nullopt, table, grid,
                        s.divergence, s.max_ratio, /*band_applies=*/clip_kind == ClipKind::kBand);
   LossParams params{};
-  const DeltaArg d = resolve_delta(inputs.host_delta, s.delta_scalar, grid);
-  TORCH_CHECK(!d.all_nan, "policy_loss: delta is outside the table's range");
-  params.band = make_params(table, grid, s.divergence, /*log_input=*/true, d.scalar, s.max_ratio,  // holds the cap
-                            inputs.lp.scalar_type());
+  // The band's parameters hold the cap too.
+  params.band = make_params(table, grid, s.divergence, /*log_input=*/true, inputs.delta_arg, s.max_ratio);
   params.clip_kind = clip_kind;
   params.eps_low = s.eps_low;
   params.eps_high = s.eps_high;
@@ -150,7 +152,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_entry(
     int64_t divergence, int64_t clip_kind, double eps_low, double eps_high, double max_ratio, double dual_clip,
     int64_t mode, int64_t agg) {
   [[maybe_unused]] const auto guard = Backend::device_guard(lp);
-  const LossTensors inputs = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta);
+  const LossTensors inputs = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta, delta_scalar, grid);
   const LossSettings settings{.divergence = divergence,
                               .clip_kind = clip_kind,
                               .eps_low = eps_low,
@@ -170,7 +172,7 @@ at::Tensor loss_bwd_entry(const at::Tensor& grad_loss, const at::Tensor& row_sca
                           c10::ArrayRef<double> grid, int64_t divergence, int64_t clip_kind, double eps_low,
                           double eps_high, double max_ratio, double dual_clip, int64_t mode) {
   [[maybe_unused]] const auto guard = Backend::device_guard(lp);
-  const LossTensors inputs = check_loss_inputs("policy_loss_bwd", lp, olp, adv, mask, delta);
+  const LossTensors inputs = check_loss_inputs("policy_loss_bwd", lp, olp, adv, mask, delta, delta_scalar, grid);
   check_grad_inputs("policy_loss_bwd", grad_loss, row_scale, lp);
   // The aggregation is folded into row_scale: the backward's LossParams never read `agg`.
   const LossSettings settings{.divergence = divergence,

@@ -177,12 +177,15 @@ def build_info() -> dict:
     Keys: package_version, with_cuda, cuda_version (nvcc's at build time, None if CPU-only),
     cuda_arch_list, cxx_compiler, torch_version_built, torch_cuda_version_built,
     torch_version_running, torch_cuda_version_running, extension_path, gpu_available (torch sees a
-    CUDA GPU now), cuda_kernels_usable (a CUDA build and a GPU). Raises ImportError like `load()`.
+    CUDA GPU now), cuda_kernels_usable (a CUDA build and a GPU), cpu_isa (the CPU's vector ISA), cpu_variant
+    (the CPU kernel variant every CPU op runs in this process, BANDPO_LUT_CPU_VARIANT as read at import; an
+    invalid setting's message instead). Raises ImportError like `load()`.
     """
     module = load()
     import torch
 
     built = _compiled_config(module) or _recorded_config() or dict.fromkeys(_FIELDS)
+    cpu = facts().get("cpu", {})   # the variant the kernels run: both read once, at import (csrc/cpu/cpu_variant.h)
     gpu = bool(torch.cuda.is_available())
     return {
         "package_version": built["package_version"],
@@ -197,4 +200,6 @@ def build_info() -> dict:
         "extension_path": module.__file__,
         "gpu_available": gpu,
         "cuda_kernels_usable": gpu and bool(built["with_cuda"]),
+        "cpu_isa": cpu.get("isa"),
+        "cpu_variant": cpu.get("variant") or cpu.get("variant_error"),
     }

@@ -23,12 +23,23 @@ def check_broadcast(named) -> None:
         names.append(name)
 
 
+def result_dtype(tensors) -> torch.dtype:
+    """The dtype torch's own element-wise ops (torch.clamp) give these floating tensors: the promotion of those
+    with dimensions, a 0-dim tensor counting only when every tensor is 0-dim (among floating dtypes a 0-dim
+    tensor never raises the category, so it never changes the result)."""
+    ranked = [t for t in tensors if t.dim() > 0] or list(tensors)
+    dtype = ranked[0].dtype
+    for t in ranked[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 @dataclass(frozen=True)
 class BandArgs:
-    """Validated band arguments, ready for the ops (every tensor in the common floating dtype)."""
+    """Validated band arguments, ready for the ops (every tensor but δ in the common floating dtype)."""
     prob: torch.Tensor            # p_old, or log p_old when log_input
     log_input: bool
-    delta: torch.Tensor | None    # per-token δ, or a 0-dim float64 CPU δ read on the host, or None
+    delta: torch.Tensor | None    # per-token δ in its own dtype, or a 0-dim CPU δ read on the host, or None
     delta_scalar: float           # the number δ when `delta` is None
     divergence_id: int
     coefficients: torch.Tensor
@@ -57,12 +68,11 @@ def prepare_args(p_old, log_p_old, delta, divergence, max_ratio, others=()) -> B
             raise ValueError(f"{other_name}: is on {t.device} but {name} is on {prob.device}; "
                              "put all tensors on one device (a 0-dim CPU delta may go with any)")
     check_broadcast(named)
-    dtype = prob.dtype
-    for _, t in named:
-        dtype = torch.promote_types(dtype, t.dtype)
+    dtype = result_dtype([t for _, t in named])
     meta, coefficients = table_for(div.name, prob)
     if isinstance(delta, torch.Tensor):
-        delta_t, delta_s = delta.to(dtype), 0.0
+        # In its own dtype: the ops decide its range there and convert it (csrc/band_host.h resolve_delta).
+        delta_t, delta_s = delta, 0.0
     else:
         delta_t, delta_s = scalar_delta(delta, meta)
     return BandArgs(prob.to(dtype), p_old is None, delta_t, delta_s, div.compiled_id, coefficients, meta.grid,
@@ -75,16 +85,17 @@ def bounds(p_old=None, delta=0.05, divergence="kl", *, log_p_old=None, max_ratio
     Args:
         p_old: old-policy probabilities in [0, 1] (any shape; float32/64, float16, bfloat16).
         delta: trust-region radius: a number within the table's range (default table: [1e-3, 1],
-            tv: [1e-3, 1)), or a tensor broadcastable to p_old (per-token radius; entries outside the
-            range give NaN, since checking them would synchronise with the host; an entry that rounds to
-            a range end in its own dtype is that end).
+            tv: [1e-3, 1)), or a tensor broadcastable to p_old, in any floating dtype (per-token radius, or
+            0-dim; entries outside the range give NaN, since checking them would synchronise with the host;
+            an entry that rounds to a range end in its own dtype is that end).
         divergence: "kl" (KL(π_old‖π_new), the paper's default), "tv", "chi2" or "hellinger".
         log_p_old: old log-probabilities instead of p_old (exactly one of the two); keeps full accuracy for
             p near 1, which float32 p cannot represent closer than 6e-8. A value in (0, 2^-9] is rounding
             and reads as 0 (p = 1); above 2^-9, NaN.
         max_ratio: optional cap of the upper bound (the paper's runs used 10).
     Returns:
-        (lower, upper), broadcast over p_old and delta, in their common dtype. p = 0 gives (0, inf) (or
+        (lower, upper), broadcast over p_old and delta, in the dtype torch.clamp gives them (a 0-dim δ does not
+        widen p_old). p = 0 gives (0, inf) (or
         max_ratio), p = 1 the p → 1 limits; NaN in gives NaN out. Not differentiable (constants).
     """
     a = prepare_args(p_old, log_p_old, delta, divergence, max_ratio)

@@ -59,6 +59,7 @@ CHUNK_ELEMENTS = 2 ** 25
 CUDA_CHUNK_ELEMENTS = 2 ** 26
 
 _NAME = "fused_linear_policy_loss"
+_D = _settings.DEFAULTS   # the options' defaults, told apart from the same values given (settings= plus keywords)
 TOKEN_ID_DTYPES = (torch.int64, torch.int32)
 
 
@@ -72,8 +73,9 @@ def default_chunk_size(n_tokens: int, vocab: int, device="cpu") -> int:
 
 def fused_linear_policy_loss(hidden, weight, token_ids, old_log_prob, advantages, mask=None, *, bias=None,
                              temperature=1.0, chunk_size=None, ref_log_prob=None, beta=0.0, return_entropy=False,
-                             delta=0.05, divergence="kl", max_ratio=None, dual_clip=None, agg="token-mean",
-                             clip="band", mode="clip", eps_low=None, eps_high=None, settings=None,
+                             delta=_D["delta"], divergence=_D["divergence"], max_ratio=_D["max_ratio"],
+                             dual_clip=_D["dual_clip"], agg=_D["agg"], clip=_D["clip"], mode=_D["mode"],
+                             eps_low=_D["eps_low"], eps_high=_D["eps_high"], settings=None,
                              return_log_prob=False):
     """`bandpo_lut.policy_loss` of the log-probs of `token_ids` under `(hidden @ weight.T + bias) / temperature`,
     computed chunk by chunk without the full logits (see the module docstring).

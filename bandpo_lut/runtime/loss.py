@@ -26,11 +26,12 @@ from bandpo_lut.tables import checks as _checks
 COUNTS = _spec.COUNTS
 FRACTIONS = _spec.FRACTIONS
 metrics_from_counts = _spec.metrics_from_counts
+_D = _settings.DEFAULTS   # the options' defaults, told apart from the same values given (settings= plus keywords)
 
 
-def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, divergence="kl", max_ratio=None,
-                dual_clip=None, agg="token-mean", clip="band", mode="clip", eps_low=None, eps_high=None,
-                settings=None):
+def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=_D["delta"], divergence=_D["divergence"],
+                max_ratio=_D["max_ratio"], dual_clip=_D["dual_clip"], agg=_D["agg"], clip=_D["clip"], mode=_D["mode"],
+                eps_low=_D["eps_low"], eps_high=_D["eps_high"], settings=None):
     """PPO-family policy loss with BandPO's band (default) or a baseline clip, fused.
 
     Args:
@@ -45,8 +46,8 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=0.05, di
         clip: "band", "fixed" (eps_low/eps_high, default 0.2/0.2; DAPO's clip-higher is 0.2/0.28) or
             "dcpo" (default eps 0.16/0.2). mode: "clip", or "mask" (out-of-band tokens keep their
             surrogate's value but lose the gradient in the unsafe direction).
-        settings: a `bandpo_lut.LossSettings` holding these nine options, validated when built (then leave the
-            keyword options at their defaults).
+        settings: a `bandpo_lut.LossSettings` holding these nine options, validated when built (then give none
+            of the keyword options, not even at its default value: that is refused).
     Derivatives: to log_prob only, first order in both modes (backward, torch.func.grad/jacrev/vjp, forward
     mode: torch.func.jvp/jacfwd, torch.autograd.forward_ad); a second derivative (double backward,
     torch.func.hessian) raises NotImplementedError.
@@ -88,7 +89,8 @@ def op_inputs(log_prob, old_log_prob, advantages, mask, settings: _settings.Loss
     delta_t, delta_s = None, 0.0
     if clip == "band":
         if isinstance(delta, torch.Tensor):
-            delta_t = delta.to(dtype)    # broadcast to (batch, T) inside the op
+            # In its own dtype, broadcast to (batch, T) inside the op, which decides its range in that dtype.
+            delta_t = delta
         else:   # already checked against the table's range by LossSettings; this is the ops' form of it
             delta_t, delta_s = _cache.scalar_delta(delta, meta)
     max_ratio, dual_clip = settings.max_ratio, settings.dual_clip
@@ -119,8 +121,9 @@ class BandPolicyLoss(torch.nn.Module):
     (dynamic=True) runs one graph: set `module.settings["delta"] = value` between steps, or give a 0-dim tensor δ
     and update it in place (`module.delta.fill_(value)`)."""
 
-    def __init__(self, *, delta=0.05, divergence="kl", max_ratio=None, dual_clip=None, agg="token-mean",
-                 clip="band", mode="clip", eps_low=None, eps_high=None, settings=None):
+    def __init__(self, *, delta=_D["delta"], divergence=_D["divergence"], max_ratio=_D["max_ratio"],
+                 dual_clip=_D["dual_clip"], agg=_D["agg"], clip=_D["clip"], mode=_D["mode"], eps_low=_D["eps_low"],
+                 eps_high=_D["eps_high"], settings=None):
         super().__init__()
         # Validated once, here (a bad setting fails at construction, not mid-training), with no tensor made.
         built = _settings.resolve(settings, dict(
@@ -133,11 +136,19 @@ class BandPolicyLoss(torch.nn.Module):
             self.register_buffer("delta", built.delta)
         self._built = built
 
+    def __setstate__(self, state):
+        # A module pickled whole (torch.save(module)) by a build that kept only `settings` and the buffer: its
+        # settings object is built (and validated) at its first call, from those.
+        state.setdefault("_built", None)
+        super().__setstate__(state)
+
     def loss_settings(self) -> _settings.LossSettings:
         """The settings of the next call: the object built at construction, rebuilt (and validated) only when
         `module.settings` was changed (a δ schedule), with the buffer δ when δ is a tensor."""
         options = self.settings if "delta" in self.settings else dict(self.settings, delta=self.delta)
         built = self._built
+        if built is None:
+            built = self._built = _settings.LossSettings(**options)
         if all(options[k] is getattr(built, k) for k in _settings.FIELDS):
             return built
         return _settings.LossSettings(**options)

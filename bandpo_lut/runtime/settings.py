@@ -11,7 +11,8 @@ and device against the batch at call time (`loss_spec.check_tensors`).
 
 `field_names` maps option names to the names the user wrote (a trainer integration's config fields, e.g.
 ``{"delta": "band_delta"}``): with it, every message names the user's field (``band_delta=2.0 is outside ...``);
-without it, the library's names (``policy_loss: ...``, ``delta: ...``).
+without it, the option's own name (``delta=2.0 is outside ...``). Each option has one check, with one message and
+one exception type, naming the option and the value given (``dual_clip must be None or a number > 1, got 0.5``).
 """
 from __future__ import annotations
 
@@ -46,13 +47,15 @@ def delta_range(divergence: str) -> tuple[float, float, bool, str]:
     return table.delta_min, table.delta_max, table.delta_max_inclusive, table.source
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class LossSettings:
     """The loss options (see `bandpo_lut.policy_loss` for their meaning), validated when built.
 
     delta: a number in the table's range, or a floating tensor broadcastable to (batch, T) (a per-token δ).
     eps_low/eps_high: None takes the clip's default (`eps()` gives the values the kernels use).
-    field_names: the user's name for each option in error messages (integrations); not part of equality."""
+    field_names: the user's name for each option in error messages (integrations); not part of equality.
+    Equality and hash: option by option, a tensor δ by identity (the same tensor object; its values may change in
+    place, as a δ schedule's buffer does)."""
     delta: object = 0.05
     divergence: str = "kl"
     max_ratio: float | None = None
@@ -62,10 +65,21 @@ class LossSettings:
     mode: str = "clip"
     eps_low: float | None = None
     eps_high: float | None = None
-    field_names: Mapping[str, str] | None = dataclasses.field(default=None, compare=False, repr=False)
+    field_names: Mapping[str, str] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         _validate(self)
+
+    def _key(self) -> tuple:
+        return tuple(_Identity(v) if isinstance(v, torch.Tensor) else v for v in (getattr(self, k) for k in FIELDS))
+
+    def __eq__(self, other):
+        if not isinstance(other, LossSettings):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
 
     def options(self) -> dict:
         """The nine options as keyword arguments of policy_loss."""
@@ -80,63 +94,61 @@ class LossSettings:
                 float(high if self.eps_high is None else self.eps_high))
 
 
+class _Identity:
+    """A tensor compared and hashed by identity (its `==` is element-wise, and its truth value ambiguous)."""
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other):
+        return isinstance(other, _Identity) and self.obj is other.obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+
 def _validate(s: LossSettings) -> None:
-    names = s.field_names
-    user = names is not None
+    """Every option, each by one check with one message and one exception type, naming the option as the user
+    wrote it (`field_names`, else the library's name) and the value given."""
+    names = s.field_names or {}
 
     def name(field: str) -> str:
-        return names.get(field, field) if user else f"policy_loss: {field}"
+        return names.get(field, field)
 
     for field, choices in (("agg", AGGS), ("clip", CLIPS), ("mode", MODES)):
         value = getattr(s, field)
-        if value not in choices:
-            raise ValueError(f"{names.get(field, field)}={value!r} is not one of {choices}" if user
-                             else f"policy_loss: unknown {field}={value!r}; choose one of {choices}")
+        if not (isinstance(value, str) and value in choices):
+            raise ValueError(f"{name(field)}={value!r} is not one of {choices}")
     if s.dual_clip is not None and not (_checks.is_number(s.dual_clip) and s.dual_clip > 1):
         raise ValueError(f"{name('dual_clip')} must be None or a number > 1, got {s.dual_clip!r}")
     if not _checks.max_ratio_ok(s.max_ratio):
-        raise ValueError(f"{names.get('max_ratio', 'max_ratio')} must be a number >= 1 (the cap of the upper "
-                         f"ratio bound) or None for no cap, got {s.max_ratio!r}" if user
-                         else f"policy_loss: max_ratio must be None or a number >= 1, got {s.max_ratio!r}")
+        raise ValueError(f"{name('max_ratio')} must be a number >= 1 (the cap of the upper ratio bound) or None for "
+                         f"no cap, got {s.max_ratio!r}")
     if s.clip != "band":
         _check_eps(s, name)
         return
-    if s.eps_low is not None or s.eps_high is not None:
-        raise ValueError(f"{name('eps_low')}/{names.get('eps_high', 'eps_high') if user else 'eps_high'} apply "
-                         "to clip='fixed' or 'dcpo' only; clip='band' takes delta and divergence")
-    _check_divergence(s.divergence, names)
+    for field in ("eps_low", "eps_high"):
+        if getattr(s, field) is not None:
+            raise ValueError(f"{name(field)} applies to clip='fixed' or 'dcpo' only (clip='band' takes "
+                             f"{name('delta')} and {name('divergence')}), got {getattr(s, field)!r}")
+    compiled = _div.compiled_names()
+    if not (isinstance(s.divergence, str) and s.divergence in _div.names()):
+        raise ValueError(f"{name('divergence')}={s.divergence!r} is not a divergence; choose one of {compiled}")
+    if s.divergence not in compiled:
+        raise ValueError(f"{name('divergence')}={s.divergence!r} has no compiled kernel in this build (only the "
+                         f"pure-PyTorch reference reads it); a training loss can use {compiled}")
     if isinstance(s.delta, torch.Tensor):
-        try:   # the dtype rule of bounds/clip; shape and device are checked against the batch at call time
-            _checks.check_tensor("delta", s.delta)
-        except TypeError as err:
-            raise TypeError(f"{names.get('delta', 'delta') + ': ' if user else 'policy_loss: '}{err}") from None
+        # the dtype rule of bounds/clip; shape and device are checked against the batch at call time
+        _checks.check_tensor(name("delta"), s.delta)
         return
     if not (_checks.is_number(s.delta) and 0 < s.delta < math.inf):
-        raise ValueError(f"{names.get('delta', 'delta')} must be a positive number (the trust-region radius δ), "
-                         f"got {s.delta!r}" if user
-                         else f"policy_loss: delta must be a positive number or a tensor, got {s.delta!r}")
-    lo, hi, hi_inclusive, source = delta_range(s.divergence)
+        raise ValueError(f"{name('delta')} must be a positive number (the trust-region radius δ) or a floating "
+                         f"tensor, got {s.delta!r}")
+    lo, hi, hi_inclusive, _ = delta_range(s.divergence)
     if not _checks.in_delta_range(s.delta, lo, hi, hi_inclusive):
-        interval = _checks.delta_interval(lo, hi, hi_inclusive)
-        if user:
-            raise ValueError(f"{names.get('delta', 'delta')}={s.delta!r} is outside the range of the shipped "
-                             f"{s.divergence!r} table, {interval}")
-        _checks.check_delta(s.delta, s.divergence, lo, hi, hi_inclusive, source)
-
-
-def _check_divergence(divergence, names) -> None:
-    if names is None:
-        if not isinstance(divergence, str):
-            raise TypeError(f"policy_loss: divergence must be a string, got {divergence!r}")
-        _checks.compiled_divergence(divergence)   # "unknown divergence" / "has no compiled kernel"
-        return
-    field = names.get("divergence", "divergence")
-    compiled = _div.compiled_names()
-    if not isinstance(divergence, str) or divergence not in _div.names():
-        raise ValueError(f"{field}={divergence!r} is not a divergence; choose one of {compiled}")
-    if divergence not in compiled:
-        raise ValueError(f"{field}={divergence!r} has no compiled kernel in this build (only the pure-PyTorch "
-                         f"reference reads it); a training loss can use {compiled}")
+        raise ValueError(f"{name('delta')}={s.delta!r} is outside the range of the shipped {s.divergence!r} table, "
+                         f"{_checks.delta_interval(lo, hi, hi_inclusive)}")
 
 
 def _check_eps(s: LossSettings, name) -> None:
@@ -153,15 +165,30 @@ def _check_eps(s: LossSettings, name) -> None:
                          f"clip={s.clip!r}, got {eps_high!r}")
 
 
+class Default:
+    """An option's default in an entry point's signature (shown as its value): an option left at it is told
+    apart from the same value given, so that `settings=` plus any keyword option is refused."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+# The entry points' keyword defaults, read once here (Dynamo cannot trace dataclasses.fields inside a compiled frame).
+DEFAULTS = {f.name: Default(f.default) for f in dataclasses.fields(LossSettings) if f.name in FIELDS}
+
+
 def resolve(settings: LossSettings | None, options: dict, where: str) -> LossSettings:
-    """The settings an entry point uses: `settings` as given (then every keyword option must be left at its
-    default), or a LossSettings built from the keyword options."""
+    """The settings an entry point uses: `settings` as given (then no keyword option may be given), or a
+    LossSettings built from the keyword options (those left out at their defaults, `DEFAULTS`)."""
+    given = {k: v for k, v in options.items() if not isinstance(v, Default)}
     if settings is None:
-        return _from_keywords(options)
+        return _from_keywords(given)
     if not isinstance(settings, LossSettings):
         raise TypeError(f"{where}: settings must be a bandpo_lut.LossSettings, got {type(settings).__name__}")
-    given = [k for k, v in options.items()
-             if not (v is _DEFAULTS[k] or (not isinstance(v, torch.Tensor) and v == _DEFAULTS[k]))]
     if given:
         raise ValueError(f"{where}: give the options either as settings=LossSettings(...) or as keyword "
                          f"arguments, not both (also given: {', '.join(given)})")
@@ -190,6 +217,3 @@ def _from_keywords(options: dict) -> LossSettings:
         _BUILT[key] = built
     return built
 
-
-# The keyword defaults, read once here (Dynamo cannot trace dataclasses.fields inside a compiled frame).
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossSettings)}

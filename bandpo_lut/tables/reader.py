@@ -15,7 +15,8 @@ header describes:
 4. the header's Newton refinement steps (for divergences whose lower bound crosses zero at saturation)
    are applied to the exact equation in q.
 
-NaN in gives NaN out; a tensor δ outside the table's range gives NaN (a Python-number δ raises).
+NaN in gives NaN out; a tensor δ outside the table's range gives NaN (a Python-number δ raises); whether a tensor
+δ's entry is inside is decided in its own dtype (an entry that rounds across a range end there is that end).
 A log-probability in (0, LOG_PROB_ROUNDING] is rounding and reads as 0 (p = 1); above it, NaN.
 """
 from __future__ import annotations
@@ -71,8 +72,12 @@ def _as_tensor_delta(delta, like: torch.Tensor, table) -> torch.Tensor:
     if isinstance(delta, torch.Tensor):
         if delta.is_complex() or not delta.is_floating_point():
             raise TypeError(f"delta: expected a floating tensor, got {delta.dtype}")
-        d = delta.to(device=like.device, dtype=torch.float64)
-        return torch.where(table.delta_in_range(d), d, torch.full_like(d, math.nan))
+        # The range is decided in δ's own dtype, against the ends as that dtype rounds them: an entry that rounds
+        # across an end (bfloat16's 9.995e-4 for 1e-3) is that end; the δ read is then moved onto the range.
+        ends = torch.tensor([table.delta_min, table.delta_max], dtype=torch.float64).to(delta.dtype)
+        inside = (delta >= ends[0]) & ((delta <= ends[1]) if table.delta_max_inclusive else (delta < ends[1]))
+        d = delta.to(dtype=torch.float64).clamp(table.delta_min, table.delta_max)
+        return torch.where(inside, d, torch.full_like(d, math.nan)).to(like.device)
     if isinstance(delta, bool) or not isinstance(delta, (int, float)):
         raise TypeError(f"delta: expected a Python number or a tensor, got {type(delta).__name__}")
     table.check_delta(float(delta))

@@ -324,9 +324,8 @@ void run_band(at::TensorIterator& iter, const BandParams& band, bool per_token) 
 }
 
 BandParams params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence, bool log_input,
-                             const DeltaArg& delta, double max_ratio, at::ScalarType dtype,
-                             std::shared_ptr<const CellPolys>& keep) {
-  BandParams band = make_params(table, grid, divergence, log_input, delta.scalar, max_ratio, dtype);
+                             const DeltaArg& delta, double max_ratio, std::shared_ptr<const CellPolys>& keep) {
+  BandParams band = make_params(table, grid, divergence, log_input, delta, max_ratio);
   if (reads_table(band.divergence) && !delta.per_token_mode()) {
     keep = cell_polys(band);
     band.cell_f = keep->f.data();
@@ -340,10 +339,10 @@ std::tuple<at::Tensor, at::Tensor> bounds_cpu(const at::Tensor& prob, const c10:
                                               double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid,
                                               int64_t divergence, bool log_input, double max_ratio) {
   cpu_variant();  // an invalid BANDPO_LUT_CPU_VARIANT raises here, on the calling thread, for every dtype
-  BandIter it = make_band_iter("bounds", nullptr, prob, delta, table, grid, divergence, max_ratio);
-  const DeltaArg d = resolve_delta(delta, delta_scalar, grid);
+  const DeltaArg d = resolve_delta("bounds", delta, delta_scalar, grid, prob);
+  BandIter it = make_band_iter("bounds", nullptr, prob, d.per_token, table, grid, divergence, max_ratio);
   std::shared_ptr<const CellPolys> keep;
-  const BandParams band = params_with_cells(table, grid, divergence, log_input, d, max_ratio, prob.scalar_type(), keep);
+  const BandParams band = params_with_cells(table, grid, divergence, log_input, d, max_ratio, keep);
   if (d.all_nan) {
     it.lo.fill_(std::numeric_limits<double>::quiet_NaN());
     it.up.fill_(std::numeric_limits<double>::quiet_NaN());
@@ -358,10 +357,10 @@ at::Tensor clip_cpu(const at::Tensor& ratio, const at::Tensor& prob, const c10::
                     double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
                     bool log_input, double max_ratio) {
   cpu_variant();  // an invalid BANDPO_LUT_CPU_VARIANT raises here, on the calling thread, for every dtype
-  BandIter it = make_band_iter("clip", &ratio, prob, delta, table, grid, divergence, max_ratio);
-  const DeltaArg d = resolve_delta(delta, delta_scalar, grid);
+  const DeltaArg d = resolve_delta("clip", delta, delta_scalar, grid, prob);
+  BandIter it = make_band_iter("clip", &ratio, prob, d.per_token, table, grid, divergence, max_ratio);
   std::shared_ptr<const CellPolys> keep;
-  const BandParams band = params_with_cells(table, grid, divergence, log_input, d, max_ratio, prob.scalar_type(), keep);
+  const BandParams band = params_with_cells(table, grid, divergence, log_input, d, max_ratio, keep);
   if (d.all_nan) {
     // clamp with NaN bounds is NaN (torch.clamp's rule), whatever the ratio
     it.out.fill_(std::numeric_limits<double>::quiet_NaN());

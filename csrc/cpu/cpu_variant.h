@@ -1,8 +1,9 @@
 // The one CPU dispatcher: which kernel variant runs, and how every CPU kernel (the band's blocked loops, the
 // closed forms, the fused KL kernel, the loss's token pass) gets its per-ISA code.
 //
-// The choice: made once per process from the CPU's vector ISA, or forced with the environment variable
-// BANDPO_LUT_CPU_VARIANT (auto, avx512, avx2 or baseline) to measure a slower machine's path on a faster one.
+// The choice: made once per process, when the library loads (at `import bandpo_lut`), from the CPU's vector ISA, or
+// forced with the environment variable BANDPO_LUT_CPU_VARIANT (auto, avx512, avx2 or baseline) to measure a slower
+// machine's path on a faster one; a later change of the variable is ignored, by the kernels and the facts alike.
 // A figure in the benchmark names the variant it measured (`bandpo-lut bench` prints it). An invalid setting
 // is an error (ValueError in Python) at every op that reads it: the ops call cpu_variant() on the calling
 // thread, before any parallel region, so the error is raised, never thrown where nothing catches it.
@@ -82,18 +83,31 @@ inline CpuVariant cpu_variant_from_env() {
   return best;
 }
 
-// Read once; an invalid setting raises at every call (so it is never silently ignored). Each CPU op calls this
-// first, on the calling thread (see the file comment).
-inline CpuVariant cpu_variant() {
-  static const int v = [] {
+// The variable as read once per process, when the library loads (facts.h reads it at import): the variant every
+// kernel runs and the one the facts report (facts(), `bandpo-lut info`, bench), so that a later change of the
+// environment changes neither. An invalid setting keeps its message, raised by every CPU op.
+struct CpuVariantChoice {
+  int variant;        // a CpuVariant, or -1 when the setting was invalid
+  std::string error;  // the message of an invalid setting
+};
+
+inline const CpuVariantChoice& cpu_variant_choice() {
+  static const CpuVariantChoice choice = [] {
     try {
-      return static_cast<int>(cpu_variant_from_env());
-    } catch (const c10::Error&) {
-      return -1;
+      return CpuVariantChoice{static_cast<int>(cpu_variant_from_env()), std::string()};
+    } catch (const c10::Error& e) {
+      return CpuVariantChoice{-1, std::string(e.what_without_backtrace()) +
+                                      " (read once, when bandpo_lut was imported: set it before the import)"};
     }
   }();
-  if (v < 0) cpu_variant_from_env();  // raises the message
-  return static_cast<CpuVariant>(v);
+  return choice;
+}
+
+// Each CPU op calls this first, on the calling thread (see the file comment).
+inline CpuVariant cpu_variant() {
+  const CpuVariantChoice& choice = cpu_variant_choice();
+  TORCH_CHECK_VALUE(choice.variant >= 0, choice.error.c_str());  // one C string (see cpu_variant_from_env)
+  return static_cast<CpuVariant>(choice.variant);
 }
 
 // A kernel's entry point per variant; pick() is the one place a variant's code is chosen.

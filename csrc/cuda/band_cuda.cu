@@ -244,8 +244,8 @@ std::tuple<at::Tensor, at::Tensor> bounds_cuda(const at::Tensor& prob, const c10
                                                double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid,
                                                int64_t divergence, bool log_input, double max_ratio) {
   const c10::cuda::CUDAGuard guard(prob.device());
-  BandIter it = make_band_iter("bounds", nullptr, prob, delta, table, grid, divergence, max_ratio);
-  const DeltaArg d = resolve_delta(delta, delta_scalar, grid);
+  const DeltaArg d = resolve_delta("bounds", delta, delta_scalar, grid, prob);
+  BandIter it = make_band_iter("bounds", nullptr, prob, d.per_token, table, grid, divergence, max_ratio);
   if (d.all_nan) {
     it.lo.fill_(std::numeric_limits<double>::quiet_NaN());
     it.up.fill_(std::numeric_limits<double>::quiet_NaN());
@@ -256,7 +256,7 @@ std::tuple<at::Tensor, at::Tensor> bounds_cuda(const at::Tensor& prob, const c10
     materialise(keep, it.lo.sizes(), nullptr, prob, d.per_token);
     it = make_band_iter("bounds", nullptr, keep.prob, keep.delta, table, grid, divergence, max_ratio);
   }
-  const BandParams band = make_params(table, grid, divergence, log_input, d.scalar, max_ratio, prob.scalar_type());
+  const BandParams band = make_params(table, grid, divergence, log_input, d, max_ratio);
   launch<false>(it.iter, band, d.per_token_mode(), prob.scalar_type(), prob.get_device());
   return {it.lo, it.up};
 }
@@ -265,8 +265,8 @@ at::Tensor clip_cuda(const at::Tensor& ratio, const at::Tensor& prob, const c10:
                      double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
                      bool log_input, double max_ratio) {
   const c10::cuda::CUDAGuard guard(prob.device());
-  BandIter it = make_band_iter("clip", &ratio, prob, delta, table, grid, divergence, max_ratio);
-  const DeltaArg d = resolve_delta(delta, delta_scalar, grid);
+  const DeltaArg d = resolve_delta("clip", delta, delta_scalar, grid, prob);
+  BandIter it = make_band_iter("clip", &ratio, prob, d.per_token, table, grid, divergence, max_ratio);
   if (d.all_nan) {
     it.out.fill_(std::numeric_limits<double>::quiet_NaN());
     return it.out;
@@ -276,7 +276,7 @@ at::Tensor clip_cuda(const at::Tensor& ratio, const at::Tensor& prob, const c10:
     materialise(keep, it.out.sizes(), &ratio, prob, d.per_token);
     it = make_band_iter("clip", &keep.ratio, keep.prob, keep.delta, table, grid, divergence, max_ratio);
   }
-  const BandParams band = make_params(table, grid, divergence, log_input, d.scalar, max_ratio, prob.scalar_type());
+  const BandParams band = make_params(table, grid, divergence, log_input, d, max_ratio);
   launch<true>(it.iter, band, d.per_token_mode(), prob.scalar_type(), prob.get_device());
   return it.out;
 }

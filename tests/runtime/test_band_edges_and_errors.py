@@ -65,10 +65,11 @@ def test_numpy_numbers_are_numbers():
 def test_host_scalar_delta_tensor_equals_the_number():
     p = torch.rand(300)
     for d in (0.05, 0.3):
-        for dtype in (torch.float32, torch.float64):   # the 0-dim δ takes part in dtype promotion
+        for dtype in (torch.float32, torch.float64):   # a 0-dim δ does not widen p (torch's promotion rule)
             delta = torch.tensor(d, dtype=dtype)        # 0-dim CPU: read on the host
-            want = bandpo_lut.bounds(p.to(torch.promote_types(p.dtype, dtype)), float(delta))
+            want = bandpo_lut.bounds(p, float(delta))
             got = bandpo_lut.bounds(p, delta)
+            assert got[0].dtype == torch.clamp(p, delta, delta).dtype
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (d, dtype)   # same δ, same bits
     lo, up = bandpo_lut.bounds(p, torch.tensor(2.0))   # a tensor δ out of range: NaN, as per token
     assert torch.isnan(lo).all() and torch.isnan(up).all()
@@ -115,8 +116,8 @@ def test_reference_bounds_is_callable_as_documented():
 def test_band_policy_loss_refuses_bad_settings_at_construction():
     with pytest.raises(ValueError, match="divergence"):
         bandpo_lut.BandPolicyLoss(divergence="nope")
-    with pytest.raises(ValueError, match="divergence: 'reverse_kl' has no compiled kernel"):
+    with pytest.raises(ValueError, match="divergence='reverse_kl' has no compiled kernel"):
         bandpo_lut.BandPolicyLoss(divergence="reverse_kl")
-    with pytest.raises(ValueError, match="delta: 2.0 is outside"):
+    with pytest.raises(ValueError, match="delta=2.0 is outside"):
         bandpo_lut.BandPolicyLoss(delta=2.0)
     bandpo_lut.BandPolicyLoss(clip="fixed", divergence="kl")   # the baselines ignore the band

@@ -182,3 +182,63 @@ def test_an_unknown_or_unsupported_variant_is_refused(tmp_path):
         proc = run_fresh(["-c", code], cwd=tmp_path, env=env)
         assert proc.returncode != 0, value
         assert "BANDPO_LUT_CPU_VARIANT" in proc.stderr and value in proc.stderr, proc.stderr[-2000:]
+
+
+READ_AT_IMPORT = r"""
+import hashlib, json, os, sys
+import torch
+import bandpo_lut
+from bandpo_lut.cli.bench.command import cpu_kernel_line
+from bandpo_lut.runtime import _extension
+from bandpo_lut.tables import accuracy
+
+later = sys.argv[1]
+if later == "-":
+    os.environ.pop("BANDPO_LUT_CPU_VARIANT", None)
+else:
+    os.environ["BANDPO_LUT_CPU_VARIANT"] = later      # after the import, before the first op
+out = {"facts": _extension.facts()["cpu"].get("variant"), "build_info": bandpo_lut.build_info()["cpu_variant"],
+       "bench": cpu_kernel_line()}
+p64, _ = accuracy.sample_points(20000, 1e-3, 1.0, seed=7)
+p = torch.from_numpy(p64).float()
+try:
+    h = hashlib.sha256()
+    for divergence in ("kl", "tv"):
+        for t in bandpo_lut.bounds(p, 0.05, divergence):
+            h.update(t.numpy().tobytes())
+    out["bits"] = h.hexdigest()
+except ValueError as e:
+    out["error"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def _read_at_import(tmp_path, at_import, later):
+    env = fresh_env()
+    env.pop("BANDPO_LUT_CPU_VARIANT", None)
+    if at_import is not None:
+        env["BANDPO_LUT_CPU_VARIANT"] = at_import
+    proc = run_fresh(["-c", READ_AT_IMPORT, later], cwd=tmp_path, env=env, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow   # seven fresh processes, ~25 s
+@pytest.mark.skipif(len(SUPPORTED) < 2, reason="this CPU runs one variant: no other to change to")
+def test_the_variable_is_read_once_at_import_by_kernels_and_reports_alike(tmp_path):
+    """Changed after `import bandpo_lut`, the variable changes neither the kernels (their bits are those of the
+    variant read at import, told apart by the bits each variant gives when forced at import) nor what the facts,
+    build_info (`bandpo-lut info`) and bench report; an invalid value at import stays an error, naming the
+    variable and saying when it is read, however it is corrected later."""
+    best, slowest = SUPPORTED[-1], SUPPORTED[0]
+    forced = {v: _read_at_import(tmp_path, v, "-") for v in (best, slowest)}
+    assert forced[best]["bits"] != forced[slowest]["bits"]    # the premise: the two variants are told apart
+    for at_import, later in ((None, slowest), (slowest, best), (best, "avx1024")):
+        got = _read_at_import(tmp_path, at_import, later)
+        want = at_import or best
+        assert got["facts"] == got["build_info"] == want, (at_import, later, got)
+        assert f"variant {want} " in got["bench"], (at_import, later, got)
+        assert got.get("bits") == forced[want]["bits"], (at_import, later, got)
+    for later in ("auto", best):
+        got = _read_at_import(tmp_path, "avx1024", later)
+        assert got["facts"] is None and "'avx1024'" in got["build_info"], got
+        assert "BANDPO_LUT_CPU_VARIANT='avx1024'" in got["error"] and "read once" in got["error"], got

@@ -184,7 +184,7 @@ def test_errors():
         ((hidden, weight, ids, old, adv), dict(chunk_size=0), ValueError, "chunk_size"),
         ((hidden, weight, ids, old, adv), dict(beta=0.1), ValueError, "needs ref_log_prob"),
         ((hidden, weight, ids, old, adv), dict(ref_log_prob=ref[:1]), ValueError, "ref_log_prob must have"),
-        ((hidden, weight, ids, old, adv), dict(agg="mean"), ValueError, "unknown agg"),
+        ((hidden, weight, ids, old, adv), dict(agg="mean"), ValueError, "agg='mean' is not one of"),
         ((hidden, weight.to("meta"), ids, old, adv), {}, ValueError, "on meta"),
         ((hidden, weight, ids.to("meta"), old, adv), {}, ValueError, "token_ids is on meta"),
     ]

@@ -4,7 +4,9 @@ against the pure-PyTorch reference (bandpo_lut/reference/policy_loss.py), not ag
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,48 +14,49 @@ import bandpo_lut
 from bandpo_lut import LossSettings
 from bandpo_lut.reference.policy_loss import policy_loss as ref_policy_loss
 
+# (options, exception, the message's start with the library's names); with field_names, the same with "a_" + field
 BAD = [
-    (dict(agg="mean"), ValueError, "policy_loss: unknown agg='mean'", "a_agg='mean' is not one of"),
-    (dict(clip="ppo"), ValueError, "policy_loss: unknown clip='ppo'", "a_clip='ppo' is not one of"),
-    (dict(mode="drop"), ValueError, "policy_loss: unknown mode='drop'", "a_mode='drop' is not one of"),
-    (dict(dual_clip=0.5), ValueError, "policy_loss: dual_clip must be None or a number > 1",
-     "a_dual_clip must be None or a number > 1"),
-    (dict(max_ratio=0.5), ValueError, "policy_loss: max_ratio must be None or a number >= 1",
-     "a_max_ratio must be a number >= 1"),
-    (dict(delta=-1.0), ValueError, "policy_loss: delta must be a positive number",
-     "a_delta must be a positive number"),
-    (dict(delta=3.0), ValueError, r"delta: 3.0 is outside the 'kl' table's range",
-     r"a_delta=3.0 is outside the range of the shipped 'kl' table"),
-    (dict(delta=float("nan")), ValueError, "policy_loss: delta must be a positive number",
-     "a_delta must be a positive number"),
-    (dict(delta=torch.ones(2, 3, dtype=torch.int64)), TypeError, "policy_loss: delta: expected a floating tensor",
-     "a_delta: delta: expected a floating tensor"),
-    (dict(divergence="js"), ValueError, "unknown divergence 'js'", "a_divergence='js' is not a divergence"),
-    (dict(divergence="reverse_kl"), ValueError, "divergence: 'reverse_kl' has no compiled kernel",
-     "a_divergence='reverse_kl' has no compiled kernel"),
-    (dict(eps_low=0.1), ValueError, "eps_low/eps_high apply to clip='fixed'", "a_eps_low/a_eps_high apply"),
-    (dict(clip="fixed", eps_low=1.5), ValueError, r"policy_loss: eps_low must be a number in \[0, 1\]",
-     r"a_eps_low must be a number in \[0, 1\]"),
-    (dict(clip="dcpo", eps_high=0.0), ValueError, "policy_loss: eps_high must be a finite number > 0",
-     "a_eps_high must be a finite number > 0"),
+    (dict(agg="mean"), ValueError, "agg='mean' is not one of"),
+    (dict(clip="ppo"), ValueError, "clip='ppo' is not one of"),
+    (dict(mode="drop"), ValueError, "mode='drop' is not one of"),
+    (dict(agg=["token-mean"]), ValueError, r"agg=\['token-mean'\] is not one of"),
+    (dict(dual_clip=0.5), ValueError, "dual_clip must be None or a number > 1, got 0.5"),
+    (dict(max_ratio=0.5), ValueError, r"max_ratio must be a number >= 1 \(the cap .*, got 0.5"),
+    (dict(delta=-1.0), ValueError, r"delta must be a positive number \(the trust-region radius δ\) .*, got -1.0"),
+    (dict(delta=float("nan")), ValueError, "delta must be a positive number .*, got nan"),
+    (dict(delta="0.05"), ValueError, "delta must be a positive number .*, got '0.05'"),
+    (dict(delta=3.0), ValueError, r"delta=3.0 is outside the range of the shipped 'kl' table, \[0.001, 1\]"),
+    (dict(delta=torch.ones(2, 3, dtype=torch.int64)), TypeError,
+     r"delta: expected a floating tensor \(float32, float64, float16 or bfloat16\), got torch.int64"),
+    (dict(divergence="js"), ValueError, "divergence='js' is not a divergence; choose one of"),
+    (dict(divergence=3), ValueError, "divergence=3 is not a divergence; choose one of"),
+    (dict(divergence="reverse_kl"), ValueError, "divergence='reverse_kl' has no compiled kernel"),
+    (dict(eps_low=0.1), ValueError, r"eps_low applies to clip='fixed' or 'dcpo' only .*, got 0.1"),
+    (dict(eps_high=0.3), ValueError, r"eps_high applies to clip='fixed' or 'dcpo' only .*, got 0.3"),
+    (dict(clip="fixed", eps_low=1.5), ValueError, r"eps_low must be a number in \[0, 1\] for clip='fixed', got 1.5"),
+    (dict(clip="dcpo", eps_high=0.0), ValueError, "eps_high must be a finite number > 0 for clip='dcpo', got 0.0"),
 ]
 USER = {f: f"a_{f}" for f in ("delta", "divergence", "max_ratio", "dual_clip", "agg", "clip", "mode", "eps_low",
                               "eps_high")}
 
 
-@pytest.mark.parametrize("kw,exc,library,user", BAD)
-def test_validation_names_the_field(kw, exc, library, user):
-    """When built, with no tensor of a batch: the library's names by default, the user's with field_names;
-    policy_loss and BandPolicyLoss refuse with the library's message."""
-    with pytest.raises(exc, match=library):
+@pytest.mark.parametrize("kw,exc,message", BAD)
+def test_validation_names_the_field(kw, exc, message):
+    """When built, with no tensor of a batch: one message per check, one exception type, naming the option (the
+    library's name, or the user's with field_names) and the value; policy_loss, BandPolicyLoss,
+    fused_linear_policy_loss and the reference refuse with the same message."""
+    with pytest.raises(exc, match="^" + message) as library:
         LossSettings(**kw)
-    with pytest.raises(exc, match=user):
+    with pytest.raises(exc, match="^a_" + message):
         LossSettings(**kw, field_names=USER)
-    with pytest.raises(exc, match=library):
-        bandpo_lut.BandPolicyLoss(**kw)
     lp = torch.full((2, 3), -1.0)
-    with pytest.raises(exc, match=library):
-        bandpo_lut.policy_loss(lp, lp, lp, **kw)
+    for call in (lambda: bandpo_lut.BandPolicyLoss(**kw), lambda: bandpo_lut.policy_loss(lp, lp, lp, **kw),
+                 lambda: ref_policy_loss(lp, lp, lp, **kw),
+                 lambda: bandpo_lut.fused_linear_policy_loss(torch.ones(2, 3, 4), torch.ones(5, 4),
+                                                             torch.zeros(2, 3, dtype=torch.long), lp, lp, **kw)):
+        with pytest.raises(exc) as err:
+            call()
+        assert str(err.value) == str(library.value)
 
 
 def test_frozen_and_defaults():
@@ -72,6 +75,43 @@ def test_settings_and_keywords_not_both():
         bandpo_lut.policy_loss(lp, lp, lp, delta=0.1, settings=LossSettings())
     with pytest.raises(TypeError, match="settings must be a bandpo_lut.LossSettings"):
         bandpo_lut.policy_loss(lp, lp, lp, settings={"delta": 0.1})
+
+
+@pytest.mark.parametrize("kw", [dict(delta=0.05), dict(divergence="kl"), dict(max_ratio=None), dict(agg="token-mean"),
+                                dict(eps_low=None), dict(delta=np.array([0.1, 0.2])), dict(clip=np.array(["band"]))],
+                         ids=lambda kw: f"{next(iter(kw))}={kw[next(iter(kw))]!r}")
+def test_a_keyword_given_at_its_default_value_with_settings_is_refused(kw):
+    """Given is given, whatever the value (the default's value, a NumPy array): refused naming the keyword, by every
+    entry point, never silently replaced by the settings' value."""
+    lp = torch.full((2, 3), -1.0)
+    settings = LossSettings(delta=0.2)
+    message = f"give the options either as settings=LossSettings\\(...\\) or as keyword arguments, not both " \
+              f"\\(also given: {next(iter(kw))}\\)"
+    with pytest.raises(ValueError, match="^policy_loss: " + message):
+        bandpo_lut.policy_loss(lp, lp, lp, settings=settings, **kw)
+    with pytest.raises(ValueError, match="^BandPolicyLoss: " + message):
+        bandpo_lut.BandPolicyLoss(settings=settings, **kw)
+    with pytest.raises(ValueError, match="^fused_linear_policy_loss: " + message):
+        bandpo_lut.fused_linear_policy_loss(torch.ones(2, 3, 4), torch.ones(5, 4), torch.zeros(2, 3, dtype=torch.long),
+                                            lp, lp, settings=settings, **kw)
+
+
+def test_signatures_show_the_defaults():
+    for fn in (bandpo_lut.policy_loss, bandpo_lut.BandPolicyLoss, bandpo_lut.fused_linear_policy_loss):
+        params = inspect.signature(fn).parameters
+        shown = {k: repr(params[k].default) for k in LossSettings.__dataclass_fields__ if k != "field_names"}
+        assert shown == {k: repr(getattr(LossSettings(), k)) for k in shown}, fn
+
+
+def test_equality_and_hash_with_a_tensor_delta():
+    """A tensor δ compares by identity (element-wise == has no single truth value): equal settings hash equally."""
+    t = torch.full((4, 1), 0.05)
+    a, b = LossSettings(delta=t), LossSettings(delta=t)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != LossSettings(delta=t.clone()) and a != LossSettings(delta=0.05) and LossSettings(delta=0.05) != a
+    assert LossSettings(delta=0.1, divergence="tv") == LossSettings(delta=np.float64(0.1), divergence="tv")
+    assert hash(LossSettings(delta=0.1)) == hash(LossSettings(delta=np.float64(0.1)))
+    assert LossSettings(delta=0.1) != LossSettings(delta=0.2) and LossSettings() != "settings"
 
 
 CASES = [dict(), dict(delta=0.2, divergence="tv", max_ratio=10.0, dual_clip=3.0, agg="seq-mean-token-mean"),
