@@ -222,11 +222,14 @@ BANDPO_HD void prob_terms(T x, bool log_input, T& p, T& one_minus_p, T& t) {
 template <typename T>
 BANDPO_HD void kl_tail_upper(T p, T t, const DeltaConsts<T>& c, T& q) {
   // ε = p·e^{-δ}·(1 + δ + log q - log p); the expansion parameter is p/ρ0 (not p), so log q is taken as
-  // log ρ0 + ε₁/ρ0 from a first pass, which leaves an O(p·(ε/ρ0)²) error.
+  // log ρ0 + ε₁/ρ0 from a first pass, which leaves an O(p·(ε/ρ0)²) error. Below p = 1e-30 the correction is
+  // under 1e-26, far below half an ulp of ρ0 ≥ 1 - e^{-δ_min}: p is held there, which changes no result and keeps
+  // the products out of the subnormal range for p near the smallest normal float.
   const T tt = t < T(-1000) ? T(-1000) : t;
+  const T pc = p < T(1e-30) ? T(1e-30) : p;
   const T base = T(1) + c.delta + c.log_rho0 - tt;
-  const T eps1 = p * c.exp_neg * base;
-  q = c.rho0 + p * c.exp_neg * (base + eps1 / c.rho0);
+  const T eps1 = pc * c.exp_neg * base;
+  q = c.rho0 + pc * c.exp_neg * (base + eps1 / c.rho0);
 }
 
 template <typename T>

@@ -88,7 +88,11 @@ BANDPO_HD float exp_f32_reduced(float xc, float& n) {
 }
 
 // exp(x): n = round(x/ln2), r = x - n·ln2 (two-part), e^r by its Taylor series to r^7 (|r| ≤ 0.347, exact
-// to 5e-9), scaled by 2^n in two halves so that results in the subnormal range are still produced.
+// to 5e-9), times 2^n. No floating-point operation produces or reads a subnormal on the way (Intel cores take a
+// microcode assist for each one, docs/performance.md): a result of 2^-126 or more is e^r·2^n in two exact halves
+// (n up to 128), with n held at -125 or more; a result below that (n ≤ -126: a subnormal, or 0 below -103.97) is
+// assembled from its bits, y = e^r·2^(n+149) being exact and below 2^24: the float with the bits round(y) (to
+// nearest even) is round(y)·2^-149, the correctly rounded subnormal, as the multiplication by 2^n would round it.
 BANDPO_HD float exp_f32(float x) {
 #if defined(__CUDA_ARCH__)
   return expf(x);
@@ -97,8 +101,15 @@ BANDPO_HD float exp_f32(float x) {
   float n;
   const float pr = exp_f32_reduced(xc, n);
   const std::int32_t ni = static_cast<std::int32_t>(xc == xc ? n : 0.0f);
-  const std::int32_t n1 = ni / 2, n2 = ni - n1;
-  const float out = pr * bits_to_float((n1 + 127) << 23) * bits_to_float((n2 + 127) << 23);
+  const std::int32_t nn = ni < -125 ? -125 : ni;
+  const std::int32_t n1 = nn / 2, n2 = nn - n1;
+  const float normal = pr * bits_to_float((n1 + 127) << 23) * bits_to_float((n2 + 127) << 23);
+  const std::int32_t ns = (ni > -126 ? -126 : ni) + 149;  // in [-1, 23]
+  const float y = pr * bits_to_float((ns + 127) << 23);   // in [0.35, 2^24), exact
+  // y + 2^23 has unit spacing below 2^24: it rounds y to an integer; y ≥ 2^23 already is one.
+  const float yr = y < 8388608.0f ? (y + 8388608.0f) - 8388608.0f : y;
+  const float tiny = bits_to_float(static_cast<std::int32_t>(yr));
+  const float out = ni < -125 ? tiny : normal;
   return (x != x) ? x : out;
 #endif
 }

@@ -32,13 +32,31 @@ struct FastRun {
   int64_t n;
 };
 
+// clamp_like_torch(x, lo, up) for the band's bounds (lo and up ≥ +0, or NaN), with the lower bound compared on its
+// bits, so that a subnormal lower bound is never the operand of a floating-point instruction (see exp_f32).
+// Non-negative floats order as their bits do (as signed integers); a negative x is below every lo ≥ +0 except -0
+// against +0 (equal: x stays -0, as in clamp_like_torch), so -0 compares as +0. The selects are bit masks: a loop
+// the compiler leaves scalar still has no branch that depends on the data.
+BANDPO_INLINE float clamp_to_band(float x, float lo, float up) {
+  const std::int32_t xi = float_to_bits(x), li = float_to_bits(lo), ui = float_to_bits(up);
+  const std::int32_t xs = xi & -static_cast<std::int32_t>(xi != INT32_MIN);
+  const std::int32_t below = -static_cast<std::int32_t>(xs < li);
+  std::int32_t yi = (li & below) | (xi & ~below);
+  const std::int32_t above = -static_cast<std::int32_t>(yi > ui);
+  yi = (ui & above) | (yi & ~above);
+  const std::int32_t lo_nan = -static_cast<std::int32_t>((li & 0x7fffffff) > 0x7f800000);  // lo != lo
+  yi = (li & lo_nan) | (yi & ~lo_nan);
+  const float y = (up != up) ? up : bits_to_float(yi);
+  return (x != x) ? x : y;
+}
+
 // Element i of a run's outputs: the upper bound capped, then the bounds or the clipped ratio (torch.clamp's NaN
 // rules), for the blocked loops of band_cpu.cpp and closed_form_cpu.h.
 template <bool CLIP>
 BANDPO_INLINE void store(const FastRun& run, int64_t i, float l, float u, float cap) {
   u = u > cap ? cap : u;
   if (CLIP) {
-    run.out[i] = clamp_like_torch<float>(run.ratio[i], l, u);
+    run.out[i] = clamp_to_band(run.ratio[i], l, u);
   } else {
     run.lo[i] = l;
     run.up[i] = u;

@@ -1,7 +1,8 @@
 // CUDA implementations of bandpo_lut::bounds and bandpo_lut::clip.
 //
-// Two grid-stride kernels per (dtype, op, cells mode, divergence path: KL or closed form, see DivPath), launched
-// as one resident wave on the current stream:
+// Two grid-stride kernels per (dtype, op, cells mode, divergence path: KL or closed form, see DivPath; for KL also
+// per input kind, p or log p, see ProbInput: each KL kernel then carries one way from its input to t = logit p),
+// launched as one resident wave on the current stream:
 //  * dense operands (every one contiguous in the same order, 16-byte aligned): each thread moves kVec
 //    elements per step with vector loads and stores, 64-bit indices (no element limit);
 //  * anything else (strides, broadcasting): TensorIterator's offsets with precomputed magic-number
@@ -63,11 +64,11 @@ struct Slots {
 };
 
 // One element: the bounds (CLIP false: out0 = lo, out1 = up) or the clipped ratio (out0), in acc_t.
-template <typename acc_t, bool CLIP, bool PER_TOKEN, DivPath PATH>
+template <typename acc_t, bool CLIP, bool PER_TOKEN, DivPath PATH, ProbInput IN>
 __device__ __forceinline__ void band_value(const BandParams& band, const DeltaConsts<acc_t>& c, acc_t x, acc_t d,
                                            acc_t r, acc_t& out0, acc_t& out1) {
   acc_t l, u;
-  band_element<acc_t, PER_TOKEN, PATH>(band, c, x, d, l, u);
+  band_element<acc_t, PER_TOKEN, PATH, IN>(band, c, x, d, l, u);
   if (CLIP) {
     out0 = clamp_like_torch<acc_t>(r, l, u);
   } else {
@@ -76,7 +77,7 @@ __device__ __forceinline__ void band_value(const BandParams& band, const DeltaCo
   }
 }
 
-template <typename scalar_t, bool CLIP, int CELLS, DivPath PATH>
+template <typename scalar_t, bool CLIP, int CELLS, DivPath PATH, ProbInput IN>
 __global__ void __launch_bounds__(kThreads)
     band_dense_kernel(BandParams band, const void* cells_src, int n_cells, Pointers io, int64_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -102,9 +103,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         acc_t a0, a1 = acc_t(0);
-        band_value<acc_t, CLIP, PER_TOKEN, PATH>(band, c, static_cast<acc_t>(xv.v[k]),
-                                                 PER_TOKEN ? static_cast<acc_t>(dv.v[k]) : c.delta,
-                                                 CLIP ? static_cast<acc_t>(rv.v[k]) : acc_t(0), a0, a1);
+        band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, c, static_cast<acc_t>(xv.v[k]),
+                                                     PER_TOKEN ? static_cast<acc_t>(dv.v[k]) : c.delta,
+                                                     CLIP ? static_cast<acc_t>(rv.v[k]) : acc_t(0), a0, a1);
         o0.v[k] = static_cast<scalar_t>(a0);
         o1.v[k] = static_cast<scalar_t>(a1);
       }
@@ -113,9 +114,9 @@ __global__ void __launch_bounds__(kThreads)
     } else {
       for (int64_t j = i; j < numel; ++j) {  // the tail: fewer than V elements
         acc_t a0, a1 = acc_t(0);
-        band_value<acc_t, CLIP, PER_TOKEN, PATH>(band, c, static_cast<acc_t>(prob[j]),
-                                                 PER_TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
-                                                 CLIP ? static_cast<acc_t>(ratio[j]) : acc_t(0), a0, a1);
+        band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, c, static_cast<acc_t>(prob[j]),
+                                                     PER_TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
+                                                     CLIP ? static_cast<acc_t>(ratio[j]) : acc_t(0), a0, a1);
         out0[j] = static_cast<scalar_t>(a0);
         if (!CLIP) out1[j] = static_cast<scalar_t>(a1);
       }
@@ -123,7 +124,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename scalar_t, bool CLIP, int CELLS, DivPath PATH>
+template <typename scalar_t, bool CLIP, int CELLS, DivPath PATH, ProbInput IN>
 __global__ void __launch_bounds__(kThreads) band_strided_kernel(BandParams band, const void* cells_src, int n_cells,
                                                                 Pointers io, Offsets offsets, uint32_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(kThreads) band_strided_kernel(BandParams band,
     const acc_t r =
         CLIP ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(io.data[S::ratio] + off[S::ratio])) : acc_t(0);
     acc_t a0, a1 = acc_t(0);
-    band_value<acc_t, CLIP, PER_TOKEN, PATH>(band, c, x, d, r, a0, a1);
+    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, c, x, d, r, a0, a1);
     *reinterpret_cast<scalar_t*>(io.data[0] + off[0]) = static_cast<scalar_t>(a0);
     if (!CLIP) *reinterpret_cast<scalar_t*>(io.data[1] + off[1]) = static_cast<scalar_t>(a1);
   }
@@ -168,13 +169,13 @@ bool dense_and_aligned(const at::TensorIteratorBase& iter, int vec_bytes) {
   return true;
 }
 
-template <typename scalar_t, bool CLIP, int CELLS, DivPath PATH>
+template <typename scalar_t, bool CLIP, int CELLS, DivPath PATH, ProbInput IN>
 void launch_mode(at::TensorIteratorBase& iter, const BandParams& band, const CellsPlan& plan, int device,
                  cudaStream_t stream) {
   constexpr int V = vec_size<scalar_t>();
   const size_t smem = CELLS == kCellsShared ? plan.smem : 0;
   if (dense_and_aligned(iter, V * sizeof(scalar_t))) {
-    const auto kernel = band_dense_kernel<scalar_t, CLIP, CELLS, PATH>;
+    const auto kernel = band_dense_kernel<scalar_t, CLIP, CELLS, PATH, IN>;
     const int64_t needed =
         (iter.numel() + static_cast<int64_t>(kThreads) * V - 1) / (static_cast<int64_t>(kThreads) * V);
     const int blocks =
@@ -183,7 +184,7 @@ void launch_mode(at::TensorIteratorBase& iter, const BandParams& band, const Cel
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
-  const auto kernel = band_strided_kernel<scalar_t, CLIP, CELLS, PATH>;
+  const auto kernel = band_strided_kernel<scalar_t, CLIP, CELLS, PATH, IN>;
   const int resident = resident_blocks((const void*)kernel, kThreads, smem, device);
   for (auto& sub : iter.with_32bit_indexing()) {  // one sub-iterator unless there are 2^31 or more elements
     const int64_t needed = (sub.numel() + kThreads - 1) / kThreads;
@@ -191,6 +192,18 @@ void launch_mode(at::TensorIteratorBase& iter, const BandParams& band, const Cel
     kernel<<<blocks, kThreads, smem, stream>>>(band, plan.src, plan.n_cells, pointers_of(sub), offsets_of(sub),
                                                static_cast<uint32_t>(sub.numel()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// The KL kernels, one per input kind (p or log p: read once here, never per element). The closed forms keep one
+// kernel for both (kRuntime): from log p they compute in double (band_element.h closed_form).
+template <typename scalar_t, bool CLIP, int CELLS>
+void launch_table(at::TensorIteratorBase& iter, const BandParams& band, const CellsPlan& plan, int device,
+                  cudaStream_t stream) {
+  if (band.log_input) {
+    launch_mode<scalar_t, CLIP, CELLS, DivPath::kTable, ProbInput::kLogProb>(iter, band, plan, device, stream);
+  } else {
+    launch_mode<scalar_t, CLIP, CELLS, DivPath::kTable, ProbInput::kProb>(iter, band, plan, device, stream);
   }
 }
 
@@ -203,22 +216,25 @@ void launch(at::TensorIteratorBase& iter, const BandParams& band, bool per_token
     // Shared memory is planned for the dense kernel; the strided one has the same static use (none).
     const CellsPlan plan = plan_cells<acc_t>(
         band, per_token, /*band_applies=*/true,
-        (const void*)band_dense_kernel<scalar_t, CLIP, kCellsShared, DivPath::kTable>, 0, device, stream);
+        (const void*)band_dense_kernel<scalar_t, CLIP, kCellsShared, DivPath::kTable, ProbInput::kProb>, 0, device,
+        stream);
     const bool table = div_path_of(band.divergence) == DivPath::kTable;
     if (plan.mode == kCellsShared) {  // a table-read divergence only
-      (void)shared_cells_bytes((const void*)band_strided_kernel<scalar_t, CLIP, kCellsShared, DivPath::kTable>,
-                               plan.smem, 0, device);
-      launch_mode<scalar_t, CLIP, kCellsShared, DivPath::kTable>(iter, band, plan, device, stream);
+      (void)shared_cells_bytes(
+          (const void*)band_strided_kernel<scalar_t, CLIP, kCellsShared, DivPath::kTable, ProbInput::kProb>, plan.smem,
+          0, device);
+      launch_table<scalar_t, CLIP, kCellsShared>(iter, band, plan, device, stream);
     } else if (plan.mode == kCellsGlobal) {
       if (table) {
-        launch_mode<scalar_t, CLIP, kCellsGlobal, DivPath::kTable>(iter, band, plan, device, stream);
+        launch_table<scalar_t, CLIP, kCellsGlobal>(iter, band, plan, device, stream);
       } else {
-        launch_mode<scalar_t, CLIP, kCellsGlobal, DivPath::kClosed>(iter, band, plan, device, stream);
+        launch_mode<scalar_t, CLIP, kCellsGlobal, DivPath::kClosed, ProbInput::kRuntime>(iter, band, plan, device,
+                                                                                         stream);
       }
     } else if (table) {
-      launch_mode<scalar_t, CLIP, kCellsNone, DivPath::kTable>(iter, band, plan, device, stream);
+      launch_table<scalar_t, CLIP, kCellsNone>(iter, band, plan, device, stream);
     } else {
-      launch_mode<scalar_t, CLIP, kCellsNone, DivPath::kClosed>(iter, band, plan, device, stream);
+      launch_mode<scalar_t, CLIP, kCellsNone, DivPath::kClosed, ProbInput::kRuntime>(iter, band, plan, device, stream);
     }
   });
 }

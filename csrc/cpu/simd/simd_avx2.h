@@ -39,6 +39,13 @@ struct V {
   BANDPO_SIMD_INLINE static F min(F a, F b) { return _mm256_min_ps(a, b); }  // b where either is NaN
   BANDPO_SIMD_INLINE static F max(F a, F b) { return _mm256_max_ps(a, b); }
   BANDPO_SIMD_INLINE static F abs(F a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+  // max and min of the bits as signed integers (simd_common.h: for clamp_bits)
+  BANDPO_SIMD_INLINE static F imax(F a, F b) {
+    return _mm256_castsi256_ps(_mm256_max_epi32(_mm256_castps_si256(a), _mm256_castps_si256(b)));
+  }
+  BANDPO_SIMD_INLINE static F imin(F a, F b) {
+    return _mm256_castsi256_ps(_mm256_min_epi32(_mm256_castps_si256(a), _mm256_castps_si256(b)));
+  }
   BANDPO_SIMD_INLINE static M lt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
   BANDPO_SIMD_INLINE static M le(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
   BANDPO_SIMD_INLINE static M gt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
@@ -95,8 +102,10 @@ struct V {
     return blend(unord(x, x), y, x);
   }
 
-  // e^x for x <= 88.7 (NaN stays NaN, below -104 gives 0): the series of exp_f32_reduced, then 2^n applied in
-  // two halves so that subnormal results are still produced (as exp_f32).
+  // e^x for x <= 88.7 (NaN stays NaN, below -104 gives 0): the series of exp_f32_reduced, then, as exp_f32 does,
+  // 2^n applied in two halves where the result is 2^-126 or more (n held at -125 or more), and below that the
+  // result assembled from its bits (y = e^r·2^(n+149), exact and below 2^24; the float with the bits round(y)):
+  // no floating-point instruction produces or reads a subnormal.
   BANDPO_SIMD_INLINE static F exp(F x) {
     x = min(set1(88.7f), max(set1(-104.0f), x));  // NaN passes (second operands)
     const F n = _mm256_round_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -109,12 +118,17 @@ struct V {
     s = fmadd(r, s, set1(0.5f));
     s = fmadd(r, s, set1(1.0f));
     s = fmadd(r, s, set1(1.0f));
-    const __m256i ni = _mm256_cvtps_epi32(n);  // NaN: 0x80000000, whose scale is irrelevant (s is NaN)
-    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i ni = _mm256_cvtps_epi32(n);  // NaN: 0x80000000, whose scales are irrelevant (s is NaN)
+    const __m256i nn = _mm256_max_epi32(ni, _mm256_set1_epi32(-125));
+    const __m256i n1 = _mm256_srai_epi32(nn, 1), n2 = _mm256_sub_epi32(nn, n1);
     const __m256i bias = _mm256_set1_epi32(127);
     const F s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
     const F s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-    return mul(mul(s, s1), s2);
+    const F normal = mul(mul(s, s1), s2);
+    const __m256i ns = _mm256_max_epi32(_mm256_min_epi32(ni, _mm256_set1_epi32(-126)), _mm256_set1_epi32(-150));
+    const F y = mul(s, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ns, _mm256_set1_epi32(149 + 127)), 23)));
+    const F tiny = _mm256_castsi256_ps(_mm256_cvtps_epi32(y));  // to nearest even (MXCSR's default)
+    return blend(lt(n, set1(-125.5f)), normal, tiny);
   }
 
   // q_up and κ at t (clamped onto the grid): axis_cell's cell and exact fraction, then the cell cubics read as

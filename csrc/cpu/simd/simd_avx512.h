@@ -30,6 +30,13 @@ struct V {
   BANDPO_SIMD_INLINE static F min(F a, F b) { return _mm512_min_ps(a, b); }  // b where either is NaN
   BANDPO_SIMD_INLINE static F max(F a, F b) { return _mm512_max_ps(a, b); }
   BANDPO_SIMD_INLINE static F abs(F a) { return _mm512_abs_ps(a); }
+  // max and min of the bits as signed integers (simd_common.h: for clamp_bits)
+  BANDPO_SIMD_INLINE static F imax(F a, F b) {
+    return _mm512_castsi512_ps(_mm512_max_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  }
+  BANDPO_SIMD_INLINE static F imin(F a, F b) {
+    return _mm512_castsi512_ps(_mm512_min_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  }
   BANDPO_SIMD_INLINE static M lt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
   BANDPO_SIMD_INLINE static M le(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
   BANDPO_SIMD_INLINE static M gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
@@ -86,12 +93,18 @@ struct V {
     return _mm512_mask_blend_ps(unord(x, x), y, x);
   }
 
-  // e^x for x <= 89: e^r by its series to r^7 (as exp_f32_reduced), times 2^n by vscalefps, which rounds a
-  // subnormal result once; below -104 the result is 0; NaN stays NaN.
+  // e^x for x <= 89: e^r by its series to r^7 (as exp_f32_reduced), times 2^n by vscalefps where the result is
+  // 2^-126 or more (n held at -125 or more), and below that assembled from its bits as exp_f32 does (no
+  // floating-point instruction produces or reads a subnormal): y = e^r·2^(n+149) is exact and below 2^24, and the
+  // float with the bits round(y) is the correctly rounded result. Below -104 the result is 0; NaN stays NaN.
   BANDPO_SIMD_INLINE static F exp(F x) {
     x = max(set1(-104.0f), x);  // max(c, NaN) is NaN
     const F n = _mm512_roundscale_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_scalef_ps(exp_series(x, n), n);
+    const F s = exp_series(x, n);
+    const F normal = _mm512_scalef_ps(s, max(n, set1(-125.0f)));  // NaN n: -125 (s is NaN)
+    const F y = _mm512_scalef_ps(s, add(min(n, set1(-126.0f)), set1(149.0f)));
+    const F tiny = _mm512_castsi512_ps(_mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return blend(lt(n, set1(-125.5f)), normal, tiny);
   }
   BANDPO_SIMD_INLINE static F exp_series(F x, F n) {
     F r = _mm512_fnmadd_ps(n, set1(kLn2Hi), x);
