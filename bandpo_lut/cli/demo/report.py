@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from bandpo_lut.cli.demo.progress import Progress
 from bandpo_lut.cli.demo.tasks import (
     METHODS,
     P_BUCKETS,
@@ -33,11 +34,13 @@ def run(methods: list[str], seeds: list[int], tcfg: TaskConfig, out: Path | None
     print(f"BandPO demo --task {task}: {len(seeds)} seed(s) ({seeds[0]}..{seeds[-1]}) x {tcfg.steps} steps; "
           f"{tcfg.contexts} contexts, vocab {tcfg.vocab} (initial logits ~ N(0, {tcfg.init_scale}^2)); {what}; "
           f"groups of {tcfg.group} responses x {tcfg.tokens} tokens; {tcfg.epochs * tcfg.minibatches} {opt_name} "
-          f"updates (lr {tcfg.lr}) per batch; loss: bandpo_lut.policy_loss (dppo: bandpo_lut.reference.dppo)")
+          f"updates (lr {tcfg.lr}) per batch; loss: bandpo_lut.policy_loss (dppo: bandpo_lut.reference.dppo)",
+          flush=True)
     for m in methods:
-        print(f"  {m}: " + ", ".join(f"{k}={v}" for k, v in method_kwargs(m, tcfg).items()))
+        print(f"  {m}: " + ", ".join(f"{k}={v}" for k, v in method_kwargs(m, tcfg).items()), flush=True)
     start = time.perf_counter()
-    history = {m: run_method(m, seeds, tcfg) for m in methods}
+    progress = Progress(len(methods) * len(seeds))
+    history = {m: run_method(m, seeds, tcfg, progress) for m in methods}
     elapsed = time.perf_counter() - start
     print_table(history, tcfg, every or max(1, tcfg.steps // 10))
     for line in summary_lines(history, tcfg):
@@ -198,11 +201,12 @@ def run_rewarded(methods: list[str], seeds: list[int], cfg: TaskConfig, out: Pat
           f"context drawn from initial ranks {cfg.good_ranks[0]}..{cfg.good_ranks[1] - 1}; groups of "
           f"{cfg.group} responses x {cfg.tokens} tokens; {cfg.epochs * cfg.minibatches} Adam updates "
           f"(lr {cfg.lr}) per batch; max_ratio {cfg.max_ratio} for dcpo and bandpo; loss: bandpo_lut.policy_loss "
-          f"(dppo: bandpo_lut.reference.dppo, verl's dppo_kl)")
+          f"(dppo: bandpo_lut.reference.dppo, verl's dppo_kl)", flush=True)
     start = time.perf_counter()
     history = {}  # method -> quantity -> tensor (seeds, steps)
+    progress = Progress(len(methods) * len(seeds))
     for method in methods:
-        h = run_method(method, seeds, cfg)
+        h = run_method(method, seeds, cfg, progress)
         h["clip_frac"] = _rate(h["n_clipped"], h["n_tokens"])
         h["lowprob_clip_high"] = _rate(h["n_clipped_upper_lowprob"], h["n_lowprob_pos"])
         history[method] = h

@@ -254,7 +254,12 @@ def train(method: str, seed: int, cfg: TaskConfig) -> dict:
     return out
 
 
-def run_method(method: str, seeds: list[int], cfg: TaskConfig) -> dict:
-    """`train` on each seed; every tensor stacked with a leading seed dimension."""
-    runs = [train(method, seed, cfg) for seed in seeds]
+def run_method(method: str, seeds: list[int], cfg: TaskConfig, progress=None) -> dict:
+    """`train` on each seed; every tensor stacked with a leading seed dimension. `progress`: a
+    `progress.Progress` told of each finished seed."""
+    runs = []
+    for seed in seeds:
+        runs.append(train(method, seed, cfg))
+        if progress is not None:
+            progress.step(f"{method} seed {seed}")
     return {k: torch.stack([r[k] for r in runs]) for k in runs[0]}
