@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=_out_path, default=Path(DEFAULT_OUT),
                         help=f"figure path, .png or .svg (default {DEFAULT_OUT} in the current "
                              f"directory); 'none' to skip")
+    parser.add_argument("--jobs", type=_positive_int, default=2,
+                        help="worker processes for --task dag-paths, one seed each at a time (default 2; the results "
+                             "do not depend on it)")
     parser.add_argument("--threads", type=_positive_int, default=1,
                         help="torch CPU threads (default 1: the toy's tensors are small, and more "
                              "threads only add synchronisation)")

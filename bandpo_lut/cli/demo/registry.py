@@ -79,12 +79,18 @@ class TabularTask:
         return report.run(methods, seeds, cfg, args.out, args.every)
 
 
+def _dag_paths() -> Task:
+    from bandpo_lut.cli.demo.dag.task import DagPathsTask
+    return DagPathsTask()
+
+
 TASKS: dict[str, Task] = {t.name: t for t in (
     TabularTask("rewarded", "rewarded (default): rewarded tokens that start rare", steps=(60, 100), seeds=(1, 5)),
     TabularTask("random-reward", "random-reward: a coin flip per response (zero expected gradient)",
                 steps=(50, 200), seeds=(2, 5)),
     TabularTask("rare-correct", "rare-correct: the top token and rare tokens are equally correct",
                 steps=(50, 200), seeds=(2, 5)),
+    _dag_paths(),
 )}
 # every --methods name of every task (the later tasks' first: no-clip leads the list)
 ALL_METHODS = tuple(dict.fromkeys(m for t in reversed(TASKS.values()) for m in t.methods))
