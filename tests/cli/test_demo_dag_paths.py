@@ -205,6 +205,30 @@ def test_dag_paths_needs_the_reference_arm(capsys):
     assert len(err) == 1 and err[0].startswith("bandpo-lut demo: error: --methods") and "one-update" in err[0]
 
 
+@pytest.mark.parametrize("argv,name", [(["--lr", "0.1"], "--lr"), (["--good-ranks", "5,50"], "--good-ranks"),
+                                       (["--contexts", "32"], None)])
+def test_dag_paths_refuses_the_tabular_options(argv, name, capsys, tmp_path):
+    """A tabular task's option given with --task dag-paths would be ignored: refused before any work, naming it
+    (an option left at its default is not "given"; that run is then stopped by a bad --methods)."""
+    code = main(["demo", "--task", "dag-paths", *argv, "--methods", "bandpo", "--out", "none"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith(f"bandpo-lut demo: error: {name or '--methods'}"), err
+
+
+def test_the_refused_options_are_the_parsers_defaults():
+    """TABULAR_ONLY's defaults are the parser's: an option left alone is never refused."""
+    import argparse
+
+    from bandpo_lut.cli.demo.command import add_arguments
+    from bandpo_lut.cli.demo.dag.task import TABULAR_ONLY
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    assert {k: defaults[k] for k in TABULAR_ONLY} == TABULAR_ONLY
+
+
 ENDPOINT = re.compile(r"^    ([\w-]+)\s+([+-][\d.]+) ± ([\d.]+)", re.M)
 
 

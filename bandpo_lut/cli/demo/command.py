@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     parser.add_argument("--methods", type=_methods, default=None,
                         help=f"comma-separated subset of {','.join(TASKS['rewarded'].methods)} (default: all), "
-                             f"and no-clip for the other tasks")
+                             f"and no-clip for the other tasks; --task dag-paths: of "
+                             f"{','.join(TASKS['dag-paths'].methods)}")
     parser.add_argument("--contexts", type=_positive_int, default=32, help="contexts (default 32)")
     parser.add_argument("--vocab", type=_positive_int, default=2000, help="vocabulary size (default 2000)")
     parser.add_argument("--good", type=_positive_int, default=8,

@@ -8,6 +8,11 @@ import time
 
 from bandpo_lut.cli.demo.dag.train import ARMS, REFERENCE, DagConfig
 
+# The tabular tasks' options and their defaults: dag-paths fixes its own sizes (docs/demo.md), so a value given for
+# one of these would be silently ignored; it is refused instead.
+TABULAR_ONLY = {"contexts": 32, "vocab": 2000, "good": 8, "good_ranks": (10, 100), "tokens": 16, "group": 8,
+                "epochs": 2, "minibatches": 4, "lr": None, "init_scale": 4.0, "max_ratio": 10.0, "every": None}
+
 
 class DagPathsTask:
     name = "dag-paths"
@@ -19,6 +24,11 @@ class DagPathsTask:
         return DagConfig.steps, 1 if quick else 5
 
     def check(self, args: argparse.Namespace) -> str | None:
+        given = [k for k, default in TABULAR_ONLY.items() if getattr(args, k) != default]
+        if given:
+            name = "--" + given[0].replace("_", "-")
+            return (f"{name}: an option of the tabular tasks; --task dag-paths fixes its own sizes and settings "
+                    f"(docs/demo.md)")
         if args.methods is not None and REFERENCE not in args.methods:
             return (f"--methods: --task dag-paths compares every arm with {REFERENCE}, the reference; include it "
                     f"(got {','.join(args.methods)})")
