@@ -48,6 +48,43 @@ def test_task_runs_from_the_command_line(task, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+PROGRESS = re.compile(r"^  \[(\d+)/(\d+)\] ([\w-]+ seed \d+) done in [\d.]+ s", re.M)
+
+
+@pytest.mark.parametrize("task", ["rewarded", "random-reward"])
+def test_progress_per_method_and_seed_goes_to_stderr(task, capsys):
+    """One progress line per finished (method, seed) on stderr, in order; stdout (the table) has none."""
+    assert main(["demo", "--task", task, *TINY, "--methods", "ppo-clip,bandpo", "--out", "none"]) == 0
+    captured = capsys.readouterr()
+    found = PROGRESS.findall(captured.err)
+    assert found == [(str(i + 1), "4", what) for i, what in
+                     enumerate(["ppo-clip seed 0", "ppo-clip seed 1", "bandpo seed 0", "bandpo seed 1"])], captured.err
+    assert not PROGRESS.search(captured.out)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_progress_arrives_while_the_run_goes_on(tmp_path):
+    """As a user runs it (stderr a pipe): the first progress line is readable while the other runs still train."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "bandpo_lut.cli", "demo", "--task", "random-reward", *TINY,
+                             "--steps", "150",
+                             "--methods", "ppo-clip,bandpo,dcpo", "--out", "none"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:
+            if PROGRESS.match(line):
+                assert proc.poll() is None, "the first progress line came only at the end"
+                break
+        else:
+            raise AssertionError("no progress line")
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+
+
 def test_no_clip_is_the_unclipped_surrogate():
     """The demo's no-clip reference, a policy_loss setting, against -mean(A * r) in plain torch: the same
     value and gradient at ratios far from 1 (up to e^5), and no token counted as clipped."""

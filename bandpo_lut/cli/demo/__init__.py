@@ -1,2 +1,3 @@
-"""`bandpo-lut demo`: toy GRPO tasks comparing BandPO with the baselines (`command`: the subcommand; `tasks`: the
-tasks and methods; `report`: their table and figure)."""
+"""`bandpo-lut demo`: toy GRPO tasks comparing BandPO with the baselines (`command`: the subcommand's arguments;
+`registry`: every task behind one interface; `tasks`: the tabular tasks and their methods; `report`: their table and
+figure)."""

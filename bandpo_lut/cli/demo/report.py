@@ -1,20 +1,32 @@
-"""The report of `bandpo-lut demo --task random-reward | rare-correct` (trained by `demo_tasks`): a table
-per step, one summary line per method, and a figure (entropy against step; the second quantity against
-step; the clip-high and clip-low rates by old-probability bucket)."""
+"""The reports of `bandpo-lut demo`'s tabular tasks (trained by `tasks`): a table per step, summary lines and a
+figure. The default task (rewarded) has its own columns and figure (entropy, reward and the low-probability clip-high
+rate; the bounds each method applies); random-reward and rare-correct share theirs (entropy against step; the second
+quantity against step; the clip-high and clip-low rates by old-probability bucket)."""
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
 import torch
 
-from bandpo_lut.cli.demo.tasks import METHODS, P_BUCKETS, TaskConfig, method_kwargs, run_method
+from bandpo_lut.cli.demo.progress import Progress
+from bandpo_lut.cli.demo.tasks import (
+    METHODS,
+    P_BUCKETS,
+    REWARDED_METHODS,
+    TaskConfig,
+    method_bounds,
+    method_kwargs,
+    run_method,
+)
 
 
-def run(task: str, methods: list[str], seeds: list[int], cfg, out: Path | None, every: int | None,
-        optimizer: str = "adam") -> int:
-    """Train `methods` on `task` for `seeds` (cfg: the default demo's Config, same fields) and report."""
-    tcfg = TaskConfig(task=task, optimizer=optimizer, **vars(cfg))
+def run(methods: list[str], seeds: list[int], tcfg: TaskConfig, out: Path | None, every: int | None) -> int:
+    """Train `methods` on `tcfg.task` for `seeds` and report."""
+    if tcfg.task == "rewarded":
+        return run_rewarded(methods, seeds, tcfg, out, every)
+    task, optimizer = tcfg.task, tcfg.optimizer
     opt_name = "Adam" if optimizer == "adam" else "SGD"
     what = ("reward = a fair coin per response, independent of its tokens" if task == "random-reward" else
             f"correct = each context's top token and {tcfg.good} rare tokens from initial ranks "
@@ -22,11 +34,13 @@ def run(task: str, methods: list[str], seeds: list[int], cfg, out: Path | None, 
     print(f"BandPO demo --task {task}: {len(seeds)} seed(s) ({seeds[0]}..{seeds[-1]}) x {tcfg.steps} steps; "
           f"{tcfg.contexts} contexts, vocab {tcfg.vocab} (initial logits ~ N(0, {tcfg.init_scale}^2)); {what}; "
           f"groups of {tcfg.group} responses x {tcfg.tokens} tokens; {tcfg.epochs * tcfg.minibatches} {opt_name} "
-          f"updates (lr {tcfg.lr}) per batch; loss: bandpo_lut.policy_loss (dppo: bandpo_lut.reference.dppo)")
+          f"updates (lr {tcfg.lr}) per batch; loss: bandpo_lut.policy_loss (dppo: bandpo_lut.reference.dppo)",
+          flush=True)
     for m in methods:
-        print(f"  {m}: " + ", ".join(f"{k}={v}" for k, v in method_kwargs(m, tcfg).items()))
+        print(f"  {m}: " + ", ".join(f"{k}={v}" for k, v in method_kwargs(m, tcfg).items()), flush=True)
     start = time.perf_counter()
-    history = {m: run_method(m, seeds, tcfg) for m in methods}
+    progress = Progress(len(methods) * len(seeds))
+    history = {m: run_method(m, seeds, tcfg, progress) for m in methods}
     elapsed = time.perf_counter() - start
     print_table(history, tcfg, every or max(1, tcfg.steps // 10))
     for line in summary_lines(history, tcfg):
@@ -165,3 +179,167 @@ def plot(history: dict, out: Path, cfg: TaskConfig, n_seeds: int) -> None:
                  f"(lr {cfg.lr:g}) per batch ({spread})", fontsize=10)
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# the default task (rewarded)
+
+RECORDED = ("entropy", "reward", "clip_frac", "lowprob_clip_high")
+# line styles in the figure; dcpo is dashed because in this toy it often runs on top of bandpo
+REWARDED_STYLES = {"ppo-clip": "-", "clip-higher": "-", "dcpo": (0, (4, 2)), "bandpo": "-", "dppo": (0, (1, 1.5))}
+LABELS = {
+    "entropy": "policy entropy (nats)",
+    "reward": "mean reward",
+    "clip_frac": "clip fraction (all tokens)",
+    "lowprob_clip_high": "clip-high rate, p_old < 0.2, A > 0",
+}
+
+
+def run_rewarded(methods: list[str], seeds: list[int], cfg: TaskConfig, out: Path | None, every: int | None) -> int:
+    print(f"BandPO demo: {len(seeds)} seed(s) x {cfg.steps} steps; {cfg.contexts} contexts, vocab "
+          f"{cfg.vocab} (initial logits ~ N(0, {cfg.init_scale}^2)), {cfg.good} rewarded tokens per "
+          f"context drawn from initial ranks {cfg.good_ranks[0]}..{cfg.good_ranks[1] - 1}; groups of "
+          f"{cfg.group} responses x {cfg.tokens} tokens; {cfg.epochs * cfg.minibatches} Adam updates "
+          f"(lr {cfg.lr}) per batch; max_ratio {cfg.max_ratio} for dcpo and bandpo; loss: bandpo_lut.policy_loss "
+          f"(dppo: bandpo_lut.reference.dppo, verl's dppo_kl)", flush=True)
+    start = time.perf_counter()
+    history = {}  # method -> quantity -> tensor (seeds, steps)
+    progress = Progress(len(methods) * len(seeds))
+    for method in methods:
+        h = run_method(method, seeds, cfg, progress)
+        h["clip_frac"] = _rate(h["n_clipped"], h["n_tokens"])
+        h["lowprob_clip_high"] = _rate(h["n_clipped_upper_lowprob"], h["n_lowprob_pos"])
+        history[method] = h
+    elapsed = time.perf_counter() - start
+
+    every = every or max(1, cfg.steps // 10)
+    print_rewarded_table(history, cfg.steps, every)
+    print(rewarded_summary_line(history))
+    print(f"({elapsed:.1f} s of training, {torch.get_num_threads()} thread(s))")
+    if out is not None:
+        plot_rewarded(history, out, cfg, len(seeds))
+        print(f"figure written to {out}")
+    return 0
+
+
+def _windowed_rate(num: torch.Tensor, den: torch.Tensor, window: int) -> torch.Tensor:
+    """sum(num) / sum(den) over the trailing `window` steps, per seed (rows)."""
+    kernel = torch.ones(1, 1, window)
+    pad = torch.nn.functional.pad
+
+    def trailing_sum(x):
+        return torch.nn.functional.conv1d(pad(x[:, None], (window - 1, 0)), kernel)[:, 0]
+
+    return _rate(trailing_sum(num), trailing_sum(den))
+
+
+def print_rewarded_table(history: dict, steps: int, every: int) -> None:
+    rows = sorted(set(range(0, steps, every)) | {steps - 1})
+    width = max(len(m) for m in history)
+    head = f"{'step':>5}  {'method':<{width}}  {'entropy':>8}  {'reward':>7}  {'clip_frac':>9}  " \
+           f"{'lowprob_clip_high':>17}"
+    print(head)
+    print("-" * len(head))
+    for step in rows:
+        for i, (method, h) in enumerate(history.items()):
+            mean = {k: float(h[k][:, step].mean()) for k in RECORDED}
+            print(f"{step if i == 0 else '':>5}  {method:<{width}}  {mean['entropy']:8.3f}  "
+                  f"{mean['reward']:7.3f}  {mean['clip_frac']:9.4f}  {mean['lowprob_clip_high']:17.4f}")
+    print("(means over seeds; clip_frac and lowprob_clip_high over all of a step's updates; "
+          "lowprob_clip_high = share of tokens with p_old < 0.2 and A > 0 whose ratio was above "
+          "the upper bound)")
+
+
+def rewarded_summary(history: dict) -> dict:
+    """Per method: final entropy and reward, and run-wide rates from the summed counts."""
+    out = {}
+    for method, h in history.items():
+        out[method] = dict(
+            entropy=float(h["entropy"][:, -1].mean()),
+            reward=float(h["reward"][:, -max(1, h["reward"].shape[1] // 10):].mean()),
+            clip_frac=float(_rate(h["n_clipped"].sum(), h["n_tokens"].sum())),
+            lowprob_clip_high=float(_rate(h["n_clipped_upper_lowprob"].sum(), h["n_lowprob_pos"].sum())),
+        )
+    return out
+
+
+def rewarded_summary_line(history: dict) -> str:
+    parts = [f"{m}: final entropy {s['entropy']:.3f}, low-prob clip-high rate {s['lowprob_clip_high']:.4f}"
+             f" (clip_frac {s['clip_frac']:.4f}, final reward {s['reward']:.3f})"
+             for m, s in rewarded_summary(history).items()]
+    return "summary (rates over the whole run, reward over the last tenth): " + "; ".join(parts)
+
+
+def plot_rewarded(history: dict, out: Path, cfg: TaskConfig, n_seeds: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5), constrained_layout=True)
+    steps = torch.arange(cfg.steps)
+    colors = {m: f"C{i}" for i, m in enumerate(REWARDED_METHODS)}
+    # The rates are noisy per step when few low-probability tokens are sampled, so the figure pools
+    # the counts over a short trailing window (the table prints the per-step values).
+    window = max(1, cfg.steps // 30)
+    curves = {m: {"reward": h["reward"], "entropy": h["entropy"],
+                  "clip_frac": _windowed_rate(h["n_clipped"], h["n_tokens"], window),
+                  "lowprob_clip_high": _windowed_rate(h["n_clipped_upper_lowprob"],
+                                                      h["n_lowprob_pos"], window)}
+              for m, h in history.items()}
+    panels = [("reward", axes[0, 0]), ("entropy", axes[0, 1]), ("clip_frac", axes[1, 0]),
+              ("lowprob_clip_high", axes[1, 1])]
+    for key, ax in panels:
+        for method, c in curves.items():
+            ax.plot(steps, c[key].mean(0), label=method, lw=1.8, color=colors[method],
+                    ls=REWARDED_STYLES[method])
+            if n_seeds > 1:
+                ax.fill_between(steps, c[key].min(0).values, c[key].max(0).values,
+                                color=colors[method], alpha=0.15, lw=0)
+        ax.set_xlabel("GRPO step")
+        ax.set_ylabel(LABELS[key] + (f"\n(counts pooled over {window} steps)"
+                                     if key in ("clip_frac", "lowprob_clip_high") and window > 1
+                                     else ""))
+        ax.grid(alpha=0.3)
+    axes[0, 1].axhline(math.log(cfg.good), color="grey", ls=":", lw=1)
+    axes[0, 1].annotate(f"log {cfg.good}: uniform over the rewarded tokens",
+                        (cfg.steps - 1, math.log(cfg.good)), xytext=(0, 3), textcoords="offset points",
+                        ha="right", fontsize=8, color="0.35")
+    axes[0, 0].legend(loc="lower right", fontsize=10)
+
+    ax = axes[0, 2]  # entropy against reward: how much diversity each method pays for progress
+    for method, h in history.items():
+        ax.plot(h["reward"].mean(0), h["entropy"].mean(0), marker=".", ms=3, lw=1, label=method,
+                color=colors[method], ls=REWARDED_STYLES[method])
+    ax.set_xlabel("mean reward")
+    ax.set_ylabel(LABELS["entropy"])
+    ax.set_title("entropy against reward", fontsize=10)
+    ax.grid(alpha=0.3)
+
+    _plot_upper_bounds(axes[1, 2], history, cfg, colors)
+    spread = f"mean of {n_seeds} seeds, shaded: min..max" if n_seeds > 1 else "1 seed"
+    fig.suptitle(f"Toy GRPO: softmax policy over {cfg.vocab} tokens, {cfg.good} rewarded tokens per "
+                 f"context starting at low probability ({spread})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _plot_upper_bounds(ax, history: dict, cfg: TaskConfig, colors: dict) -> None:
+    """Each method's ratio bounds against p_old, to read the clip rates above."""
+    p = torch.logspace(-4, 0, 400, dtype=torch.float64)
+    for method in history:
+        lo, up = method_bounds(p, method_kwargs(method, cfg))
+        ax.plot(p, up, color=colors[method], lw=1.8, label=method, ls=REWARDED_STYLES[method])
+        ax.plot(p, lo, color=colors[method], lw=1.2, ls=":")
+    ax.plot(p, 1 / p, color="black", lw=1, ls=(0, (1, 3)), label="simplex limit 1/p")
+    ax.axvspan(p[0], 0.2, color="grey", alpha=0.08, lw=0)
+    ax.text(1.3e-4, 0.07, "low probability: p_old < 0.2", fontsize=8, color="0.3")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_ylim(0.05, 20)
+    ax.set_xlabel("p_old (old probability of the token)")
+    ax.set_ylabel("ratio bound (upper lines; dotted: lower)")
+    ax.set_title("the bounds each method applies", fontsize=10)
+    ax.legend(loc="upper right", fontsize=8)
+    ax.grid(alpha=0.3, which="both")

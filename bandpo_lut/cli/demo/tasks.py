@@ -1,12 +1,18 @@
-"""`bandpo-lut demo --task random-reward | rare-correct`: two toy GRPO tasks built to show what the clip,
-rather than the reward, does to the policy's entropy (the training; the report is `demo_tasks_report`).
+"""`bandpo-lut demo`'s tabular tasks: a softmax policy (one row of logits per context, initial logits
+N(0, init_scale^2), so each row is peaked on a few tokens), GRPO groups with group-normalised advantages given to
+every token of a response, and `epochs x minibatches` Adam updates per batch, so the ratio pi/pi_old moves away
+from 1 and the clip matters (`--optimizer sgd`: plain gradient steps, under which an unclipped update moves each
+logit by its own gradient only; Adam rescales every logit's step, also those of tokens that were never sampled).
+The report is `report`.
 
-Both use the default demo's tabular softmax policy (one row of logits per context, initial logits
-N(0, init_scale^2), so each row is peaked on a few tokens), GRPO groups with group-normalised
-advantages given to every token of a response, and `epochs x minibatches` Adam updates per batch
-(`--optimizer sgd`: plain gradient steps, under which an unclipped update moves each logit by its own
-gradient only; Adam rescales every logit's step, also those of tokens that were never sampled).
-
+  * rewarded (the default): in each context a handful of "good" tokens that start with low probability (drawn
+    from the initial ranks `--good-ranks`); a response's reward is the fraction of good tokens in it. Its methods
+    (REWARDED_METHODS): canonical PPO clipping (0.2), clip-higher (0.2 / 0.28), DCPO, BandPO (KL, delta 0.05) and
+    DPPO. What it showed when written (defaults, 5 seeds): canonical clipping stops about 5% of the upward moves
+    of low-probability tokens with a positive advantage (clip-higher about 2%), BandPO and DCPO almost none (their
+    upper bound is far above 1.2 for p_old < 0.5), which is the paper's mechanism; they reach the reward a few
+    steps sooner and lose entropy sooner: plotted against the reward, entropy is the same curve for all methods.
+    This toy does not show BandPO preserving entropy.
   * random-reward (arXiv 2509.26114): each response's reward is a fair coin, drawn independently of
     its tokens. The expected policy gradient is zero, so an unclipped policy gradient only diffuses;
     a clip that stops upward moves (ratio > up, A > 0) of rare tokens more often than downward ones
@@ -17,8 +23,8 @@ gradient only; Adam rescales every logit's step, also those of tokens that were 
     policy can reach full reward on the common token alone; whether the rare correct answers keep up
     depends on how far their ratios may rise.
 
-Methods, all through `bandpo_lut.policy_loss` on the same seeds (same initial policy, same sampling
-and reward streams): "no-clip" is the unclipped surrogate -A*r, expressed as clip="fixed" with
+Methods of the last two (METHODS), all through `bandpo_lut.policy_loss` on the same seeds (same initial policy, same
+sampling and reward streams): "no-clip" is the unclipped surrogate -A*r, expressed as clip="fixed" with
 eps_low = 1 (lower bound 0, which a ratio never goes below) and an eps_high whose bound 1 + eps_high
 lies above exp(20), the largest ratio the loss forms (it clamps |log ratio| at 20); then PPO's clip,
 clip-higher, DCPO, and BandPO with the paper's settings (kl, delta 0.05, max_ratio 10, dual clip 10). "dppo" is
@@ -53,7 +59,15 @@ METHODS = {
 # DPPO's settings (verl dppo_kl: clip_ratio 0.05 = BandPO's delta, clip_ratio_c 20, the loss's own fallback and
 # on the large side the DPPO paper recommends; verl's ActorConfig default would be 3).
 DPPO = METHODS["dppo"]
-TASKS = ("random-reward", "rare-correct")
+# The default task's methods: no no-clip reference, and BandPO without the dual clip (as its figure was made).
+REWARDED_METHODS = {
+    "ppo-clip": METHODS["ppo-clip"],
+    "clip-higher": METHODS["clip-higher"],
+    "dcpo": METHODS["dcpo"],
+    "bandpo": dict(clip="band", divergence="kl", delta=0.05),
+    "dppo": DPPO,
+}
+TASKS = ("rewarded", "random-reward", "rare-correct")
 
 # Old-probability buckets of the clip rates: [0, .01), [.01, .1), [.1, .5), [.5, 1].
 P_EDGES = (0.01, 0.1, 0.5)
@@ -62,8 +76,10 @@ P_BUCKETS = ("p<0.01", "0.01-0.1", "0.1-0.5", "p>=0.5")
 # Per-step counts, summed over the step's updates; each bucketed one has a last dimension of len(P_BUCKETS).
 #   pos/neg: tokens with A > 0 / A < 0; high: A > 0 and ratio > up; low: A < 0 and ratio < lo.
 BUCKETED = ("n_pos", "n_neg", "n_high", "n_low")
-# The loss's own counts, kept to check the split above (their sums over buckets must agree).
-FROM_LOSS = ("n_tokens", "n_clipped_upper", "n_clipped_lower", "n_dual_clipped")
+# The loss's own counts, kept to check the split above (their sums over buckets must agree) and for the default
+# task's rates (n_clipped / n_tokens; low-probability clip-high: n_clipped_upper_lowprob / n_lowprob_pos).
+FROM_LOSS = ("n_tokens", "n_clipped", "n_clipped_upper", "n_clipped_lower", "n_dual_clipped", "n_lowprob_pos",
+             "n_clipped_upper_lowprob")
 
 
 @dataclass
@@ -85,15 +101,21 @@ class Config:
 
 @dataclass
 class TaskConfig(Config):
-    """A run of --task random-reward or rare-correct: the common sizes, the task and its optimiser."""
+    """A run of one tabular task (rewarded, random-reward, rare-correct): the common sizes, the task and its
+    optimiser."""
     task: str
     optimizer: str = "adam"
 
 
-def method_kwargs(method: str, cfg: TaskConfig, methods: dict = METHODS) -> dict:
-    """Keyword arguments of `method`: policy_loss's (max_ratio from the config for dcpo and bandpo), or DPPO's
-    (marked dppo=True; DPPO has no cap)."""
-    kwargs = dict(methods[method])
+def task_methods(task: str) -> dict:
+    """The methods a tabular task compares: name -> policy_loss (or DPPO) keyword arguments."""
+    return REWARDED_METHODS if task == "rewarded" else METHODS
+
+
+def method_kwargs(method: str, cfg: TaskConfig) -> dict:
+    """Keyword arguments of `method` in `cfg.task`: policy_loss's (max_ratio from the config for dcpo and bandpo),
+    or DPPO's (marked dppo=True; DPPO has no cap)."""
+    kwargs = dict(task_methods(cfg.task)[method])
     if kwargs.get("clip") in ("dcpo", "band"):
         kwargs["max_ratio"] = cfg.max_ratio
     return kwargs
@@ -115,8 +137,9 @@ def method_bounds(p_old: torch.Tensor, kwargs: dict):
 
 
 def make_task(seed: int, cfg: TaskConfig):
-    """Initial logits (contexts, vocab) and, for rare-correct, the masks of the common and of the rare
-    correct tokens (None for random-reward), from `seed` alone."""
+    """Initial logits (contexts, vocab) and the masks of the common and of the rare correct tokens, from `seed`
+    alone: rare-correct has both, rewarded only the rare ones (its rewarded tokens; common is None), random-reward
+    neither."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(cfg.contexts, cfg.vocab, generator=g) * cfg.init_scale
     if cfg.task == "random-reward":
@@ -126,6 +149,8 @@ def make_task(seed: int, cfg: TaskConfig):
     pick = torch.stack([torch.randperm(hi - lo, generator=g)[:cfg.good] for _ in range(cfg.contexts)]) + lo
     rare = torch.zeros(cfg.contexts, cfg.vocab, dtype=torch.bool)
     rare.scatter_(1, torch.gather(ranks, 1, pick), True)
+    if cfg.task == "rewarded":
+        return logits, None, rare
     common = torch.zeros_like(rare)
     common.scatter_(1, ranks[:, :1], True)
     return logits, common, rare
@@ -179,10 +204,10 @@ def clip_counts(log_prob, old_log_prob, adv, bucket, lo, up) -> dict:
 def train(method: str, seed: int, cfg: TaskConfig) -> dict:
     """One GRPO run of `cfg.task` under `method`. Returns per-step tensors: entropy, reward, the mass of
     each context's initially most likely token ("top_mass"), the mass of the rare and of the common
-    correct tokens (rare-correct only; 0 otherwise), the BUCKETED counts (steps, buckets) and the
-    FROM_LOSS counts."""
+    correct tokens (0 where the task has none), the BUCKETED counts (steps, buckets; not for the default task,
+    whose report does not use them and whose --quick run must stay quick) and the FROM_LOSS counts."""
     logits0, common, rare = make_task(seed, cfg)
-    correct = None if common is None else common | rare
+    correct = rare if common is None else common | rare
     theta = torch.nn.Parameter(logits0.clone())
     opt = (torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.SGD)([theta], lr=cfg.lr)
     kwargs = method_kwargs(method, cfg)
@@ -195,7 +220,9 @@ def train(method: str, seed: int, cfg: TaskConfig) -> dict:
     nb = len(P_BUCKETS)
     top = logits0.argmax(1, keepdim=True)
     out = {k: torch.zeros(cfg.steps) for k in ("entropy", "reward", "top_mass", "rare_mass", "common_mass") + FROM_LOSS}
-    out.update({k: torch.zeros(cfg.steps, nb, dtype=torch.float64) for k in BUCKETED})
+    bucketed = cfg.task != "rewarded"
+    if bucketed:
+        out.update({k: torch.zeros(cfg.steps, nb, dtype=torch.float64) for k in BUCKETED})
     for step in range(cfg.steps):
         with torch.no_grad():
             p_all = torch.softmax(theta, dim=1)
@@ -203,12 +230,14 @@ def train(method: str, seed: int, cfg: TaskConfig) -> dict:
             out["top_mass"][step] = torch.gather(p_all, 1, top).mean()
             if rare is not None:
                 out["rare_mass"][step] = (p_all * rare).sum(1).mean()
+            if common is not None:
                 out["common_mass"][step] = (p_all * common).sum(1).mean()
         tokens, old_lp, adv, mean_reward = rollout(theta, correct, sampler, rewarder, cfg)
         out["reward"][step] = mean_reward
-        p_old = old_lp.exp()
-        lo, up = method_bounds(p_old, kwargs)    # fixed for the batch's updates
-        bucket = torch.bucketize(p_old, edges, right=True)
+        if bucketed:
+            p_old = old_lp.exp()
+            lo, up = method_bounds(p_old, kwargs)    # fixed for the batch's updates
+            bucket = torch.bucketize(p_old, edges, right=True)
         for _ in range(cfg.epochs):
             for idx in torch.randperm(C * G, generator=sampler).chunk(cfg.minibatches):
                 lp = token_log_probs(theta, context_of[idx], tokens[idx])
@@ -216,14 +245,21 @@ def train(method: str, seed: int, cfg: TaskConfig) -> dict:
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                for k, v in clip_counts(lp.detach(), old_lp[idx], adv[idx], bucket[idx], lo[idx], up[idx]).items():
-                    out[k][step] += v
+                if bucketed:
+                    counts = clip_counts(lp.detach(), old_lp[idx], adv[idx], bucket[idx], lo[idx], up[idx])
+                    for k, v in counts.items():
+                        out[k][step] += v
                 for k in FROM_LOSS:
                     out[k][step] += metrics[k].detach()
     return out
 
 
-def run_method(method: str, seeds: list[int], cfg: TaskConfig) -> dict:
-    """`train` on each seed; every tensor stacked with a leading seed dimension."""
-    runs = [train(method, seed, cfg) for seed in seeds]
+def run_method(method: str, seeds: list[int], cfg: TaskConfig, progress=None) -> dict:
+    """`train` on each seed; every tensor stacked with a leading seed dimension. `progress`: a
+    `progress.Progress` told of each finished seed."""
+    runs = []
+    for seed in seeds:
+        runs.append(train(method, seed, cfg))
+        if progress is not None:
+            progress.step(f"{method} seed {seed}")
     return {k: torch.stack([r[k] for r in runs]) for k in runs[0]}
