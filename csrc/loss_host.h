@@ -69,9 +69,9 @@ LossInputs<scalar_t> loss_inputs(const LossTensors& inputs, int64_t row) {
   return in;
 }
 
-// The loss's settings as the ops receive them (the schema's scalar arguments, csrc/ops.cpp), by name: the
+// The loss's options as the ops receive them (the schema's scalar arguments, csrc/ops.cpp), by name: the
 // backends fill it with designated initialisers, so that no two adjacent doubles can be swapped unnoticed.
-struct LossSettings {
+struct LossOpArgs {
   int64_t divergence;  // Divergence id (clip_kind == band)
   int64_t clip_kind;   // ClipKind id
   double eps_low;      // fixed/dcpo constants
@@ -92,7 +92,7 @@ E option_from_id(int64_t id, const char* what) {
   return e;
 }
 
-inline LossParams make_loss_params(const at::Tensor& table, c10::ArrayRef<double> grid, const LossSettings& s,
+inline LossParams make_loss_params(const at::Tensor& table, c10::ArrayRef<double> grid, const LossOpArgs& s,
                                    const LossTensors& inputs) {
   const ClipKind clip_kind = option_from_id<ClipKind>(s.clip_kind, "clip kind");
   const LossMode mode = option_from_id<LossMode>(s.mode, "mode");
@@ -138,12 +138,12 @@ inline void check_grad_inputs(const char* op, const at::Tensor& grad_loss, const
 }
 
 // The two loss ops' entry points, written once for every backend: the schema's arguments (csrc/ops.cpp) checked
-// and named (LossSettings), then handed to the backend. A backend is a struct with
+// and named (LossOpArgs), then handed to the backend. A backend is a struct with
 //   static <RAII guard> device_guard(const at::Tensor& lp);   // CUDA: the device guard; CPU: nothing to guard
-//   static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const LossTensors&, const LossSettings&,
+//   static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const LossTensors&, const LossOpArgs&,
 //                                                                 LossParams);
 //   static at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& row_scale, const LossTensors&,
-//                              const LossSettings&, LossParams);
+//                              const LossOpArgs&, LossParams);
 // and registers loss_fwd_entry<Backend> / loss_bwd_entry<Backend> (csrc/cpu/loss_cpu.cpp, csrc/cuda/loss_cuda.cu).
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_entry(
@@ -153,16 +153,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_entry(
     int64_t mode, int64_t agg) {
   [[maybe_unused]] const auto guard = Backend::device_guard(lp);
   const LossTensors inputs = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta, delta_scalar, grid);
-  const LossSettings settings{.divergence = divergence,
-                              .clip_kind = clip_kind,
-                              .eps_low = eps_low,
-                              .eps_high = eps_high,
-                              .max_ratio = max_ratio,
-                              .dual_clip = dual_clip,
-                              .mode = mode,
-                              .agg = agg,
-                              .delta_scalar = delta_scalar};
-  return Backend::forward(inputs, settings, make_loss_params(table, grid, settings, inputs));
+  const LossOpArgs args{.divergence = divergence,
+                        .clip_kind = clip_kind,
+                        .eps_low = eps_low,
+                        .eps_high = eps_high,
+                        .max_ratio = max_ratio,
+                        .dual_clip = dual_clip,
+                        .mode = mode,
+                        .agg = agg,
+                        .delta_scalar = delta_scalar};
+  return Backend::forward(inputs, args, make_loss_params(table, grid, args, inputs));
 }
 
 template <typename Backend>
@@ -175,16 +175,16 @@ at::Tensor loss_bwd_entry(const at::Tensor& grad_loss, const at::Tensor& row_sca
   const LossTensors inputs = check_loss_inputs("policy_loss_bwd", lp, olp, adv, mask, delta, delta_scalar, grid);
   check_grad_inputs("policy_loss_bwd", grad_loss, row_scale, lp);
   // The aggregation is folded into row_scale: the backward's LossParams never read `agg`.
-  const LossSettings settings{.divergence = divergence,
-                              .clip_kind = clip_kind,
-                              .eps_low = eps_low,
-                              .eps_high = eps_high,
-                              .max_ratio = max_ratio,
-                              .dual_clip = dual_clip,
-                              .mode = mode,
-                              .agg = static_cast<int64_t>(AggKind::kTokenSum),
-                              .delta_scalar = delta_scalar};
-  return Backend::backward(grad_loss, row_scale, inputs, settings, make_loss_params(table, grid, settings, inputs));
+  const LossOpArgs args{.divergence = divergence,
+                        .clip_kind = clip_kind,
+                        .eps_low = eps_low,
+                        .eps_high = eps_high,
+                        .max_ratio = max_ratio,
+                        .dual_clip = dual_clip,
+                        .mode = mode,
+                        .agg = static_cast<int64_t>(AggKind::kTokenSum),
+                        .delta_scalar = delta_scalar};
+  return Backend::backward(grad_loss, row_scale, inputs, args, make_loss_params(table, grid, args, inputs));
 }
 
 }  // namespace bandpo

@@ -104,7 +104,7 @@ def _loss_setup_context(ctx, inputs, output):
     present = [k for k in _LOSS_SAVED if named[k] is not None]
     ctx.present = present
     ctx.save_for_backward(*(named[k] for k in present), output[2])
-    # The settings the backward takes: delta_scalar .. mode (agg is folded into row_scale).
+    # The scalar arguments the backward takes: delta_scalar .. mode (agg is folded into row_scale).
     ctx.params = inputs[_LOSS_FWD_ARGS.index("delta_scalar"):_LOSS_FWD_ARGS.index("agg")]
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.set_materialize_grads(False)   # no zero tensors for the metrics' and row_scale's (absent) gradients

@@ -116,7 +116,7 @@ def fused_linear_policy_loss(hidden, weight, token_ids, old_log_prob, advantages
     # The log-probs' shape, dtype and device (one element, expanded: no stand-in batch allocated) for
     # policy_loss's own checks and dtype rules on the per-token inputs.
     log_prob_like = torch.zeros((), dtype=acc, device=hidden.device).expand(batch, steps)
-    _, olp, adv, mask_op, delta_t, settings = _loss.op_inputs(
+    _, olp, adv, mask_op, delta_t, op_args = _loss.op_inputs(
         log_prob_like, old_log_prob, advantages, mask, loss_settings)
     dtype = olp.dtype   # policy_loss's compute dtype (float32 unless old_log_prob/advantages are float64)
     # 0: the default, chosen inside the chunk op (min(n_tokens, ...) here would guard on the token count)
@@ -129,7 +129,7 @@ def fused_linear_policy_loss(hidden, weight, token_ids, old_log_prob, advantages
         ref = ref_log_prob.detach().to(dtype)
     temperature_t, temperature_s = _host_number(temperature)
     loss, metric_vec, kl_mean, entropy, log_prob = _FusedLinearLoss.apply(
-        hidden, weight, bias, token_ids, olp, adv, mask_op, delta_t, ref, temperature_t, settings,
+        hidden, weight, bias, token_ids, olp, adv, mask_op, delta_t, ref, temperature_t, op_args,
         (temperature_s, chunk, float(beta), _spec.AGG_ID[loss_settings.agg], needs, return_entropy))
     # Non-differentiable outputs (marked so in the Function), detached again here: under torch.compile, torch 2.11's
     # AOT autograd lost the mark on the entropy and asked for its gradient ("element 1 of tensors does not require
@@ -295,8 +295,8 @@ def _chunked_pass_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
     chunk's contribution to the gradients of hidden (n, H), weight (V, H) and bias (V,).
 
     hidden (n, H); ids (n,); olp, adv, mask, delta: (n, 1) per token (delta: or 0-dim, or None); token_scale,
-    kl_scale, ref: (n,) or None; the settings as `policy_loss_bwd` takes them; the temperature as a 0-dim CPU
-    tensor (under torch.compile) or the float. chunk_size 0: the default.
+    kl_scale, ref: (n,) or None; op_args: the scalar arguments as `policy_loss_bwd` takes them; the temperature
+    as a 0-dim CPU tensor (under torch.compile) or the float. chunk_size 0: the default.
     Returns (log_prob (n,), entropy (n,) or (0,), grad_h, grad_w, grad_b), each gradient (0,) when not asked
     for. log_prob and entropy in the softmax dtype (float32 at least), grad_h and grad_w in the inputs' dtype
     (one buffer each, written by the GEMMs in place), grad_b in the softmax dtype."""
@@ -311,7 +311,7 @@ def _chunked_pass_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
                            want_entropy, need_h, need_w, need_b)
 
 
-def _chunk_loop(hidden, weight, bias, ids, olp, adv, mask, delta, token_scale, kl_scale, ref, settings, temperature,
+def _chunk_loop(hidden, weight, bias, ids, olp, adv, mask, delta, token_scale, kl_scale, ref, op_args, temperature,
                 chunk_size, want_entropy, need_h, need_w, need_b):
     from bandpo_lut.runtime._ops import ops  # the library, loaded on first use
 
@@ -365,7 +365,7 @@ def _chunk_loop(hidden, weight, bias, ids, olp, adv, mask, delta, token_scale, k
             g = ops.policy_loss_bwd(one, token_scale[sl], lp_c.to(dtype).unsqueeze(1), olp[sl], adv[sl],
                                     None if mask is None else mask[sl],
                                     delta if delta is None or delta.dim() == 0 else delta[sl],
-                                    *settings).squeeze(1)
+                                    *op_args).squeeze(1)
             if ref is not None:   # d(beta * w * scale * k3)/d lp = beta * w * scale * (1 - exp(ref - lp))
                 kl_g = kl_scale[sl] * (1.0 - torch.exp(ref[sl] - lp_c.to(dtype)))
                 g = g + torch.where(kl_scale[sl] != 0, kl_g, torch.zeros_like(kl_g))
@@ -409,7 +409,7 @@ def _chunked_pass_fake(hidden, weight, bias, ids, olp, adv, mask, delta, token_s
 
 class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, token_ids, olp, adv, mask, delta_t, ref, temperature_t, settings,
+    def forward(ctx, hidden, weight, bias, token_ids, olp, adv, mask, delta_t, ref, temperature_t, op_args,
                 options):
         temperature, chunk, beta, agg_id, needs, want_entropy = options
         from bandpo_lut.runtime._ops import ops  # the raw torch.ops.bandpo_lut: this Function is its own autograd
@@ -421,10 +421,10 @@ class _FusedLinearLoss(torch.autograd.Function):
 
         any_grad = any(needs)
         if any_grad or ref is not None:
-            # The normalisers: row_scale of the compiled forward run on zeros with the real mask and settings
+            # The normalisers: row_scale of the compiled forward run on zeros with the real mask and options
             # (row_scale reads only the mask and agg), repeated per token.
             zeros = torch.zeros((batch, steps), dtype=dtype, device=hidden.device)
-            row_scale = ops.policy_loss_fwd(zeros, zeros, zeros, mask, delta_t, *settings, agg_id)[2]
+            row_scale = ops.policy_loss_fwd(zeros, zeros, zeros, mask, delta_t, *op_args, agg_id)[2]
             # (tokens,) float64. Not row_scale.repeat_interleave(steps): Inductor on CPU computes a chunk of that
             # wrongly when T does not divide the chunk (see bandpo_lut/runtime/_ops.py, per_token).
             token_scale = ops.per_token(row_scale.unsqueeze(1), batch, steps)
@@ -437,12 +437,12 @@ class _FusedLinearLoss(torch.autograd.Function):
         log_prob, entropy, grad_h, grad_w, grad_b = chunked_pass(
             hidden.reshape(n_tokens, width), weight, bias, token_ids.reshape(n_tokens), olp_t, adv_t, mask_t, delta_tok,
             token_scale if any_grad else None, kl_scale if ref is not None else None,
-            ref_t if ref is not None else None, *settings, temperature_t, temperature, chunk, want_entropy, *needs)
+            ref_t if ref is not None else None, *op_args, temperature_t, temperature, chunk, want_entropy, *needs)
         grad_h = grad_h if needs[0] else None
         grad_w = grad_w if needs[1] else None
         grad_b = grad_b if needs[2] else None
         log_prob = log_prob.to(dtype).reshape(batch, steps)
-        loss, metric_vec, _ = ops.policy_loss_fwd(log_prob, olp, adv, mask, delta_t, *settings, agg_id)
+        loss, metric_vec, _ = ops.policy_loss_fwd(log_prob, olp, adv, mask, delta_t, *op_args, agg_id)
         kl_mean = loss.new_zeros(())
         if ref is not None:
             d = (ref - log_prob).reshape(n_tokens)

@@ -62,8 +62,8 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=_D["delt
     settings = _settings.resolve(settings, dict(
         delta=delta, divergence=divergence, max_ratio=max_ratio, dual_clip=dual_clip, agg=agg, clip=clip, mode=mode,
         eps_low=eps_low, eps_high=eps_high), "policy_loss")
-    lp, olp, adv, mask, delta_t, op_settings = op_inputs(log_prob, old_log_prob, advantages, mask, settings)
-    args = (lp, olp, adv, mask, delta_t, *op_settings, _spec.AGG_ID[settings.agg])
+    lp, olp, adv, mask, delta_t, op_args = op_inputs(log_prob, old_log_prob, advantages, mask, settings)
+    args = (lp, olp, adv, mask, delta_t, *op_args, _spec.AGG_ID[settings.agg])
     from bandpo_lut.runtime import _ops  # loads the library on first use, not at import
 
     loss, metrics, _ = _ops.policy_loss_fwd(*args)   # the one place a route is chosen
@@ -72,8 +72,8 @@ def policy_loss(log_prob, old_log_prob, advantages, mask=None, *, delta=_D["delt
 
 def op_inputs(log_prob, old_log_prob, advantages, mask, settings: _settings.LossSettings):
     """Check the batch's tensors against validated `settings` and put them in the form the compiled ops take:
-    (lp, olp, adv, mask, delta_t, op_settings), where `policy_loss_fwd(lp, olp, adv, mask, delta_t, *op_settings,
-    agg_id)` is the loss and `policy_loss_bwd(grad, row_scale, lp, olp, adv, mask, delta_t, *op_settings)` its
+    (lp, olp, adv, mask, delta_t, op_args), where `policy_loss_fwd(lp, olp, adv, mask, delta_t, *op_args,
+    agg_id)` is the loss and `policy_loss_bwd(grad, row_scale, lp, olp, adv, mask, delta_t, *op_args)` its
     gradient (also used by `bandpo_lut.runtime.fused_linear`, so that both share one reading of the options)."""
     _spec.check_tensors(log_prob, old_log_prob, advantages, mask, settings)
     eps_low, eps_high = settings.eps()
@@ -94,10 +94,10 @@ def op_inputs(log_prob, old_log_prob, advantages, mask, settings: _settings.Loss
         else:   # already checked against the table's range by LossSettings; this is the ops' form of it
             delta_t, delta_s = _cache.scalar_delta(delta, meta)
     max_ratio, dual_clip = settings.max_ratio, settings.dual_clip
-    op_settings = (delta_s, coefficients, list(meta.grid), div.compiled_id, _spec.CLIP_ID[clip],
+    op_args = (delta_s, coefficients, list(meta.grid), div.compiled_id, _spec.CLIP_ID[clip],
                    float(eps_low or 0.0), float(eps_high or 0.0), math.inf if max_ratio is None else float(max_ratio),
                    0.0 if dual_clip is None else float(dual_clip), _spec.MODE_ID[settings.mode])
-    return lp, olp, adv, mask, delta_t, op_settings
+    return lp, olp, adv, mask, delta_t, op_args
 
 
 def ratio_bounds(p_old: torch.Tensor, *, clip="band", delta=0.05, divergence="kl", max_ratio=None, eps_low=None,

@@ -209,13 +209,13 @@ void row_sums_generic(const LossParams& params, const DeltaConsts<acc_t>& c, con
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_forward(const LossTensors& inputs, const LossSettings& settings,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_forward(const LossTensors& inputs, const LossOpArgs& args,
                                                             LossParams params) {
   cpu_variant();  // an invalid BANDPO_LUT_CPU_VARIANT raises here, on the calling thread, not in a worker
   std::shared_ptr<const CellPolys> keep;
   attach_cells(params, keep);
   const at::Tensor& lp = inputs.lp;
-  const double delta_scalar = settings.delta_scalar;
+  const double delta_scalar = args.delta_scalar;
   const int64_t B = lp.size(0), n = lp.size(1);
   const int64_t chunks = (B + kRowsPerChunk - 1) / kRowsPerChunk;
   std::vector<double> row_s(B), row_w(B), chunk_counts(chunks * kNumCounts, 0.0);
@@ -251,14 +251,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_forward(const LossTensors& i
 }
 
 at::Tensor loss_backward(const at::Tensor& grad_loss, const at::Tensor& row_scale, const LossTensors& inputs,
-                         const LossSettings& settings, LossParams params) {
+                         const LossOpArgs& args, LossParams params) {
   cpu_variant();  // an invalid BANDPO_LUT_CPU_VARIANT raises here, on the calling thread, not in a worker
   const double g = grad_loss.to(at::kDouble).item<double>();  // a CPU tensor: no synchronisation
   const at::Tensor scale = row_scale.contiguous();
   std::shared_ptr<const CellPolys> keep;
   attach_cells(params, keep);
   const at::Tensor& lp = inputs.lp;
-  const double delta_scalar = settings.delta_scalar;
+  const double delta_scalar = args.delta_scalar;
   const int64_t B = lp.size(0), n = lp.size(1);
   at::Tensor grad = at::empty(lp.sizes(), lp.options());  // dense row-major: the layout the loops write
   const double* S = scale.data_ptr<double>();
@@ -299,12 +299,12 @@ at::Tensor loss_backward(const at::Tensor& grad_loss, const at::Tensor& row_scal
 struct CpuLoss {
   struct NoGuard {};
   static NoGuard device_guard(const at::Tensor&) { return {}; }
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const LossTensors& inputs, const LossSettings& s,
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const LossTensors& inputs, const LossOpArgs& s,
                                                                 LossParams params) {
     return loss_forward(inputs, s, params);
   }
   static at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& row_scale, const LossTensors& inputs,
-                             const LossSettings& s, LossParams params) {
+                             const LossOpArgs& s, LossParams params) {
     return loss_backward(grad_loss, row_scale, inputs, s, params);
   }
 };

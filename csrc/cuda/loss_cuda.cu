@@ -426,12 +426,12 @@ at::Tensor loss_backward(const at::Tensor& grad_loss, const at::Tensor& row_scal
 // The CUDA backend of loss_fwd_entry / loss_bwd_entry (loss_host.h).
 struct CudaLoss {
   static c10::cuda::CUDAGuard device_guard(const at::Tensor& lp) { return c10::cuda::CUDAGuard(lp.device()); }
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const LossTensors& inputs, const LossSettings&,
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const LossTensors& inputs, const LossOpArgs&,
                                                                 LossParams params) {
     return loss_forward(inputs, params);
   }
   static at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& row_scale, const LossTensors& inputs,
-                             const LossSettings&, LossParams params) {
+                             const LossOpArgs&, LossParams params) {
     return loss_backward(grad_loss, row_scale, inputs, params);
   }
 };
