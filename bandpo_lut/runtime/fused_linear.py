@@ -156,12 +156,19 @@ _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 _NO_CONTEXT = contextlib.nullcontext()
 
 
+@torch.compiler.assume_constant_result
+def _autocast_available(device_type: str) -> bool:
+    """Whether torch has autocast for this device type: a constant of the process, which Dynamo reads when it
+    traces instead of tracing torch's builtin (torch 2.11's Dynamo cannot, and fullgraph=True would fail)."""
+    return torch.amp.is_autocast_available(device_type)
+
+
 def _autocast_inputs(hidden, weight, bias):
     """hidden, weight and bias as F.linear sees them under torch.autocast: cast to the autocast dtype of their
     device type when autocast is on there (each floating input but float64, which autocast leaves alone), so
     that the matmuls run where autocast runs them. A differentiable cast: the gradients come back in the
     inputs' own dtypes. Unchanged when autocast is off (then mismatched dtypes are refused by _check_inputs)."""
-    if not (isinstance(hidden, torch.Tensor) and torch.amp.is_autocast_available(hidden.device.type)
+    if not (isinstance(hidden, torch.Tensor) and _autocast_available(hidden.device.type)
             and torch.is_autocast_enabled(hidden.device.type)):
         return hidden, weight, bias
     target = torch.get_autocast_dtype(hidden.device.type)
@@ -301,7 +308,7 @@ def _chunked_pass_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
     for. log_prob and entropy in the softmax dtype (float32 at least), grad_h and grad_w in the inputs' dtype
     (one buffer each, written by the GEMMs in place), grad_b in the softmax dtype."""
     device_type = hidden.device.type
-    with torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) else _NO_CONTEXT:
+    with torch.autocast(device_type, enabled=False) if _autocast_available(device_type) else _NO_CONTEXT:
         # The inputs arrive in one dtype (cast by _autocast_inputs); the float32 ops inside (the entropy's
         # batched dot product) must stay float32 under a caller's autocast.
         return _chunk_loop(hidden, weight, bias, ids, olp, adv, mask, delta, token_scale, kl_scale, ref,
