@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import stat
 import sys
-import tempfile
 
 from bandpo_lut.tables import divergences, table_format
 from bandpo_lut.tables.generate import (
@@ -103,16 +102,9 @@ def _write_new(target: str, out: str, blob: bytes, mode: int) -> None:
     process put there since: the table is written beside it, then hard-linked into place (which fails where the
     name exists) and its temporary name removed. Where that happens, the table stays under its temporary name,
     and the error says where."""
-    directory = os.path.dirname(os.path.abspath(target))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".bplut", dir=directory)
+    tmp = table_format.write_beside(target, blob, mode)
     keep = False
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(blob)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
         try:
             try:
                 os.link(tmp, target)

@@ -292,11 +292,11 @@ def check_writable(path: str | os.PathLike) -> None:
     os.unlink(tmp)
 
 
-def write_atomic(path: str | os.PathLike, blob: bytes, mode: int = 0o644) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename over it: readers never see half a file.
-    The file gets permission bits `mode` (a replaced file's own, to keep them)."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
+def write_beside(path: str | os.PathLike, blob: bytes, mode: int) -> str:
+    """Write `blob` to a new temporary file in `path`'s folder (made if missing), fsynced, with permission bits
+    `mode`, and return its name: the first half of a write that never shows a reader half a file (the second:
+    a rename or a link onto `path`). Nothing is left behind when it fails."""
+    directory = os.path.dirname(os.path.abspath(os.fspath(path)))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".bplut", dir=directory)
     try:
@@ -305,7 +305,18 @@ def write_atomic(path: str | os.PathLike, blob: bytes, mode: int = 0o644) -> Non
             fh.flush()
             os.fsync(fh.fileno())
         os.chmod(tmp, mode)
-        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
+def write_atomic(path: str | os.PathLike, blob: bytes, mode: int = 0o644) -> None:
+    """Write to a temporary file beside `path`, fsync, then rename over it: readers never see half a file.
+    The file gets permission bits `mode` (a replaced file's own, to keep them)."""
+    tmp = write_beside(path, blob, mode)
+    try:
+        os.replace(tmp, os.fspath(path))
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
