@@ -10,11 +10,11 @@ is built, before any model loads, in one message that names the user's field.
 from __future__ import annotations
 
 import difflib
-import functools
 import warnings
 from typing import Mapping
 
 from bandpo_lut.runtime.settings import LossSettings
+from bandpo_lut.runtime.settings import build as build_settings
 from bandpo_lut.tables.checks import is_number
 from bandpo_lut.tables.divergences import compiled_names as compiled_divergences
 
@@ -34,21 +34,10 @@ def loss_settings(options: Mapping[str, object], names: Mapping[str, str]) -> Lo
     ``{"delta": "actor_rollout_ref.actor.policy_loss.band_delta"}``). A bad value raises LossSettings' own
     error, unchanged: one message per check.
 
-    Built once per distinct (options, names): the config builds it, and every loss call after that asks again
-    with the same options (and its aggregation) and gets the object already built, not a second validation."""
-    # the type is in the key: 1 == 1.0 == True, but a bool is not a number to LossSettings
-    key = (tuple((k, type(v), v) for k, v in options.items()), tuple(names.items()))
-    try:
-        hash(key)
-    except TypeError:   # an unhashable value (a list where a number belongs): LossSettings refuses it
-        return LossSettings(**options, field_names=dict(names))
-    return _built(key)
-
-
-@functools.lru_cache(maxsize=256)
-def _built(key) -> LossSettings:
-    options, names = key
-    return LossSettings(**{k: v for k, _, v in options}, field_names=dict(names))
+    Built once per distinct (options, names) (`settings.build`): the config builds it, and every loss call after
+    that asks again with the same options (and its aggregation) and gets the object already built, not a second
+    validation."""
+    return build_settings(options, names)
 
 
 def check_route(clip, name: str) -> None:

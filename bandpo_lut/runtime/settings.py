@@ -186,7 +186,7 @@ def resolve(settings: LossSettings | None, options: dict, where: str) -> LossSet
     LossSettings built from the keyword options (those left out at their defaults, `DEFAULTS`)."""
     given = {k: v for k, v in options.items() if not isinstance(v, Default)}
     if settings is None:
-        return _from_keywords(given)
+        return build(given)
     if not isinstance(settings, LossSettings):
         raise TypeError(f"{where}: settings must be a bandpo_lut.LossSettings, got {type(settings).__name__}")
     if given:
@@ -195,25 +195,28 @@ def resolve(settings: LossSettings | None, options: dict, where: str) -> LossSet
     return settings
 
 
-# Settings built from keyword options, by (type, value) of each option: an eager training loop that calls
-# policy_loss with the same keywords every step validates them once (building and validating cost ~30 us a call,
-# a tenth of a small batch's eager step). Bounded (a δ schedule brings a new value every step): emptied when full.
+# Settings built from plain options, by (type, value) of each option and the field names: an eager training loop
+# that calls policy_loss with the same keywords every step, or a trainer integration asking for its config's
+# settings at every loss call, validates them once (building and validating cost ~30 us a call, a tenth of a small
+# batch's eager step). Bounded (a δ schedule brings a new value every step): emptied when full.
 _BUILT: dict = {}
 _BUILT_MAX = 64
 
 
-def _from_keywords(options: dict) -> LossSettings:
-    """LossSettings(**options), memoised in eager code for options that are all plain numbers, strings and None.
-    Under torch.compile the object is built as before (a symbolic δ must not become a dictionary key: that would
-    guard on its value, one graph per δ); a tensor δ is never a key (equal tensors are not equal keys)."""
+def build(options: Mapping[str, object], field_names: Mapping[str, str] | None = None) -> LossSettings:
+    """`LossSettings(**options, field_names=field_names)`, built once per distinct value in eager code when every
+    option is a plain number, string or None (the type is in the key: 1 == 1.0 == True, but a bool is no number to
+    LossSettings). Under torch.compile the object is built as before (a symbolic δ must not become a dictionary
+    key: that would guard on its value, one graph per δ); a tensor δ, or any other value, is never a key (equal
+    tensors are not equal keys; an unhashable value meets LossSettings' own check)."""
+    names = dict(field_names) if field_names else None
     if torch.compiler.is_compiling() or any(not isinstance(v, (str, int, float, type(None))) for v in options.values()):
-        return LossSettings(**options)
-    key = tuple((k, type(v), v) for k, v in options.items())
+        return LossSettings(**options, field_names=names)
+    key = (tuple((k, type(v), v) for k, v in options.items()), tuple(names.items()) if names else None)
     built = _BUILT.get(key)
     if built is None:
-        built = LossSettings(**options)   # raises for bad options: nothing is stored
+        built = LossSettings(**options, field_names=names)   # raises for bad options: nothing is stored
         if len(_BUILT) >= _BUILT_MAX:
             _BUILT.clear()
         _BUILT[key] = built
     return built
-
