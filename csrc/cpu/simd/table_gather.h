@@ -38,6 +38,26 @@ inline void patches_scalar(const TableView& tb, const int* __restrict it, const 
 }
 
 #if defined(BANDPO_HAVE_X86_GATHER)
+// An 8x8 transpose of float rows: on return r[j] holds element j of every input row (r[j][k] = old r[k][j]).
+__attribute__((target("avx2,fma"), always_inline)) inline void transpose8x8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
 // The two cell cubics of 8 elements from their cells' 8-coefficient rows r0..r7 (row k = element k's
 // [q0..q3, κ0..κ3]): an 8x8 transpose, then q = c0 + u·(c1 + u·(c2 + u·c3)) and κ alike. Shared by the blocked
 // loops (cell_cubics_avx2) and the fused AVX2 kernel (simd_avx2.h).
@@ -45,21 +65,10 @@ __attribute__((target("avx2,fma"), always_inline)) inline void cubics_from_rows(
                                                                                 __m256 r3, __m256 r4, __m256 r5,
                                                                                 __m256 r6, __m256 r7, __m256 u,
                                                                                 __m256& q, __m256& kap) {
-  // 8x8 transpose: row k = element k's coefficients -> c[j] = coefficient j of the 8 elements.
-  const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
-  const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
-  const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-  const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-  const __m256 c0 = _mm256_permute2f128_ps(s0, s4, 0x20), c4 = _mm256_permute2f128_ps(s0, s4, 0x31);
-  const __m256 c1 = _mm256_permute2f128_ps(s1, s5, 0x20), c5 = _mm256_permute2f128_ps(s1, s5, 0x31);
-  const __m256 c2 = _mm256_permute2f128_ps(s2, s6, 0x20), c6 = _mm256_permute2f128_ps(s2, s6, 0x31);
-  const __m256 c3 = _mm256_permute2f128_ps(s3, s7, 0x20), c7 = _mm256_permute2f128_ps(s3, s7, 0x31);
-  q = _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, c3, c2), c1), c0);
-  kap = _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, c7, c6), c5), c4);
+  __m256 c[8] = {r0, r1, r2, r3, r4, r5, r6, r7};
+  transpose8x8(c);  // c[j] = coefficient j of the 8 elements
+  q = _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, c[3], c[2]), c[1]), c[0]);
+  kap = _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, c[7], c[6]), c[5]), c[4]);
 }
 
 __attribute__((target("avx2,fma"))) inline void cell_cubics_avx2(const float* __restrict cells,
