@@ -7,7 +7,10 @@
 //   Outside |t| ≤ t_max the KL bounds come from the asymptotic forms derived in the comments below.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include "divergence.h"
 #include "fast_math.h"
@@ -59,9 +62,10 @@ struct BandParams {
   double delta;      // the scalar δ (when no per-token δ tensor is given)
   int delta_js;      // scalar δ: its s-axis cell and B-spline weights, for collapsing the table
   double delta_ws[4];
-  const float* cell_f;             // scalar δ, KL: [nt - 1][8] power-basis cubics per t cell (q_up, κ), float
-  const double* cell_d;            // the same in double, for float64 inputs
-  const WideCells* wide;           // CPU only (csrc/cpu/simd/wide_cells.h): the same re-cut into 32 wide cells, or null
+  const float* cell_f;    // scalar δ, KL: [nt - 1][8] power-basis cubics per t cell (q_up, κ), float
+  const double* cell_d;   // the same in double, for float64 inputs
+  const WideCells* wide;  // CPU only (csrc/cpu/simd/wide_cells.h): the same re-cut into 32 wide cells, or null
+  const float* pairs;     // CPU only, per-token δ, KL: the table with its planes interleaved (table_gather.h), or null
   ClosedDelta<float> closed_f[3];  // closed forms in float: the scalar δ, δ_min, δ_max (closed_delta, on the host)
 };
 
@@ -158,6 +162,46 @@ BANDPO_HD void spline2d_cells(const TableView& tb, int it, T ut, int js, T us, T
   }
   q_up = acc[0];
   kappa = acc[1];
+}
+
+// The s axis for a per-token float δ, without the two roundings that `axis_cell(log δ)` makes in float: that of
+// s = log δ itself (up to 2.4e-7 for |s| in [4, 8)) and that of the node positions s_min + j·h for a step h that is
+// not a float (up to ~2e-7 at the far end). Both move the upper bound by as much relatively where p << δ (there
+// q_up ≈ 1 - e^{-δ}, whose log-derivative in s is ≈ 1). Instead, with log δ = e·ln 2 + log z as the kernel's log
+// splits it (e a whole number, |log z| < 0.36), the position x = (log δ - s_min)/h is e·A + (log z)/h - B,
+// A = ln 2/h and B = s_min/h, kept in two parts: x_int = e·A_hi - B_hi, exact (A_hi and B_hi are multiples of
+// 2^-k small enough for every e of the table's δ range), and x_small = (log z)/h + e·A_lo - B_lo, small. The cell
+// is j = ⌊x_int + x_small⌋ (held in the axis) and its fraction u = (x_int - j) + x_small: one rounding of a number
+// below 1. A j off by one where x lies within an ulp of a node leaves u just outside [0, 1], where the cubic of
+// the neighbouring cell agrees with the spline to O(ε³): u is not clamped.
+struct TokenSAxis {
+  float a_hi, a_lo;      // ln 2/h
+  float b_hi, b_lo;      // s_min/h
+  float inv_hi, inv_lo;  // 1/h
+  int last;              // last cell: ns - 2
+};
+
+// e as the kernels' logs split a positive normal float x (csrc/cpu/simd/simd_common.h kLogOff: z in
+// [0.69921875, 1.3984375)).
+inline int token_log_exponent(float x) { return (float_to_bits(x) - 0x3f330000) >> 23; }
+
+inline TokenSAxis token_s_axis(const TableView& tb) {
+  const double h = tb.s_step, a = 0.6931471805599453 / h, b = tb.s_min / h;
+  const float d_lo = static_cast<float>(tb.delta_min), d_hi = static_cast<float>(tb.delta_max);
+  const int e_abs = std::max(std::abs(token_log_exponent(d_lo)), std::abs(token_log_exponent(d_hi))) + 1;
+  // Every |e·A_hi| and |e·A_hi - B_hi| below 2^(24-k): exact as multiples of 2^-k.
+  const double bound = e_abs * std::fabs(a) + std::fabs(b) + 4.0;
+  const int k = 23 - static_cast<int>(std::ceil(std::log2(bound)));
+  const double unit = std::ldexp(1.0, -k);
+  TokenSAxis s;
+  s.a_hi = static_cast<float>(std::nearbyint(a / unit) * unit);
+  s.a_lo = static_cast<float>(a - s.a_hi);
+  s.b_hi = static_cast<float>(std::nearbyint(b / unit) * unit);
+  s.b_lo = static_cast<float>(b - s.b_hi);
+  s.inv_hi = static_cast<float>(1.0 / h);
+  s.inv_lo = static_cast<float>(1.0 / h - s.inv_hi);
+  s.last = tb.ns - 2;
+  return s;
 }
 
 // q_up and κ at (t, s).

@@ -60,6 +60,44 @@ std::shared_ptr<const CellPolys> cell_polys(const BandParams& band) {
   return polys;
 }
 
+// ---- per-token δ pair tables, computed once per table and cached ---------------------------------------------
+std::shared_ptr<const std::vector<float>> pair_table(const TableView& tb) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, std::shared_ptr<const std::vector<float>>> cache;
+  // Keyed as cell_polys is (the address and the geometry), plus a sample of the coefficients: a table freed and
+  // another of the same geometry allocated at its address must not get the first one's pairs.
+  constexpr int kSample = 16;
+  const std::int64_t count = 2 * static_cast<std::int64_t>(tb.nt + 2) * (tb.ns + 2);
+  double key_values[6 + kSample] = {
+      static_cast<double>(tb.nt), static_cast<double>(tb.ns), tb.t_min, tb.t_step, tb.s_min, tb.s_step};
+  for (int i = 0; i < kSample; ++i) key_values[6 + i] = tb.coef[(count - 1) * i / (kSample - 1)];
+  std::string key(sizeof(void*) + sizeof(key_values), '\0');
+  std::memcpy(&key[0], &tb.coef, sizeof(void*));
+  std::memcpy(&key[sizeof(void*)], key_values, sizeof(key_values));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  auto pairs = std::make_shared<const std::vector<float>>(make_pair_table(tb));
+  if (cache.size() >= 16) cache.clear();  // tables are few; bound the memory anyway
+  cache.emplace(key, pairs);
+  return pairs;
+}
+
+CpuTables attach_tables(BandParams& band, bool per_token) {
+  CpuTables keep;
+  if (!reads_table(band.divergence)) return keep;
+  if (per_token) {
+    keep.pairs = pair_table(band.table);
+    band.pairs = keep.pairs->data();
+  } else {
+    keep.cells = cell_polys(band);
+    band.cell_f = keep.cells->f.data();
+    band.cell_d = keep.cells->d.data();
+    band.wide = keep.cells->wide.get();
+  }
+  return keep;
+}
+
 // ---- the vectorisable float32 loops (contiguous runs) ----------------------------------------------------
 // Blocks of kBlock elements in passes, so that the transcendental passes vectorise (the compiler will not
 // vectorise the table gathers, so they get a short scalar pass of their own):
@@ -202,12 +240,19 @@ avx2::V::Tables narrow_cells(const BandParams& band) {
 template <CpuVariant V>
 BANDPO_INLINE void f32_contiguous_body(const FastRun& run, bool log_input, bool clip, bool token) {
 #if defined(BANDPO_HAVE_KL_SIMD)
-  const bool kl_scalar = !token && run.band->divergence == Divergence::kKL;
+  const bool kl = run.band->divergence == Divergence::kKL;
   if constexpr (V == CpuVariant::kAvx512) {
-    if (kl_scalar && run.band->wide != nullptr) return avx512::kl_scalar(run, *run.band->wide, log_input, clip);
+    if (kl && !token && run.band->wide != nullptr) return avx512::kl_scalar(run, *run.band->wide, log_input, clip);
+    if (kl && token && run.band->pairs != nullptr) {
+      return avx512::kl_token(run, pair_grid(run.band->table, run.band->pairs), log_input, clip);
+    }
   }
   if constexpr (V == CpuVariant::kAvx2) {
-    if (kl_scalar && run.band->cell_f != nullptr) return avx2::kl_scalar(run, narrow_cells(*run.band), log_input, clip);
+    if (kl && !token && run.band->cell_f != nullptr)
+      return avx2::kl_scalar(run, narrow_cells(*run.band), log_input, clip);
+    if (kl && token && run.band->pairs != nullptr) {
+      return avx2::kl_token(run, pair_grid(run.band->table, run.band->pairs), log_input, clip);
+    }
   }
 #endif
   f32_contiguous_loops(run, log_input, clip, token);
@@ -323,15 +368,10 @@ void run_band(at::TensorIterator& iter, const BandParams& band, bool per_token) 
   });
 }
 
-BandParams params_with_cells(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence, bool log_input,
-                             const DeltaArg& delta, double max_ratio, std::shared_ptr<const CellPolys>& keep) {
+BandParams params_with_tables(const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence, bool log_input,
+                              const DeltaArg& delta, double max_ratio, CpuTables& keep) {
   BandParams band = make_params(table, grid, divergence, log_input, delta, max_ratio);
-  if (reads_table(band.divergence) && !delta.per_token_mode()) {
-    keep = cell_polys(band);
-    band.cell_f = keep->f.data();
-    band.cell_d = keep->d.data();
-    band.wide = keep->wide.get();
-  }
+  keep = attach_tables(band, delta.per_token_mode());
   return band;
 }
 
@@ -341,8 +381,8 @@ std::tuple<at::Tensor, at::Tensor> bounds_cpu(const at::Tensor& prob, const c10:
   cpu_variant();  // an invalid BANDPO_LUT_CPU_VARIANT raises here, on the calling thread, for every dtype
   const DeltaArg d = resolve_delta("bounds", delta, delta_scalar, grid, prob);
   BandIter it = make_band_iter("bounds", nullptr, prob, d.per_token, table, grid, divergence, max_ratio);
-  std::shared_ptr<const CellPolys> keep;
-  const BandParams band = params_with_cells(table, grid, divergence, log_input, d, max_ratio, keep);
+  CpuTables keep;
+  const BandParams band = params_with_tables(table, grid, divergence, log_input, d, max_ratio, keep);
   if (d.all_nan) {
     it.lo.fill_(std::numeric_limits<double>::quiet_NaN());
     it.up.fill_(std::numeric_limits<double>::quiet_NaN());
@@ -359,8 +399,8 @@ at::Tensor clip_cpu(const at::Tensor& ratio, const at::Tensor& prob, const c10::
   cpu_variant();  // an invalid BANDPO_LUT_CPU_VARIANT raises here, on the calling thread, for every dtype
   const DeltaArg d = resolve_delta("clip", delta, delta_scalar, grid, prob);
   BandIter it = make_band_iter("clip", &ratio, prob, d.per_token, table, grid, divergence, max_ratio);
-  std::shared_ptr<const CellPolys> keep;
-  const BandParams band = params_with_cells(table, grid, divergence, log_input, d, max_ratio, keep);
+  CpuTables keep;
+  const BandParams band = params_with_tables(table, grid, divergence, log_input, d, max_ratio, keep);
   if (d.all_nan) {
     // clamp with NaN bounds is NaN (torch.clamp's rule), whatever the ratio
     it.out.fill_(std::numeric_limits<double>::quiet_NaN());

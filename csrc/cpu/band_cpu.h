@@ -19,6 +19,15 @@ struct CellPolys {
 };
 std::shared_ptr<const CellPolys> cell_polys(const BandParams& band);
 
+// What the CPU kernels read besides the table itself, for a KL band (nothing for the closed forms): the scalar δ's
+// cell cubics, or the per-token δ's pair table (cpu/simd/table_gather.h), computed once per table (and δ) and cached;
+// `attach_tables` points `band` at them and returns what keeps them alive.
+struct CpuTables {
+  std::shared_ptr<const CellPolys> cells;
+  std::shared_ptr<const std::vector<float>> pairs;
+};
+CpuTables attach_tables(BandParams& band, bool per_token);
+
 // A contiguous float32 run for the vectorised loops: bounds (lo/up) or clip (out) of n elements.
 struct FastRun {
   const BandParams* band;

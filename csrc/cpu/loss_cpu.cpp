@@ -177,14 +177,10 @@ inline bool fast_row<float>(const LossParams& params, const LossInputs<float>& i
   return true;
 }
 
-// The scalar-δ KL cell cubics (kept alive by `keep`) into the parameters, when the band needs them.
-void attach_cells(LossParams& params, std::shared_ptr<const CellPolys>& keep) {
-  if (params.clip_kind == ClipKind::kBand && reads_table(params.band.divergence) && !params.per_token_delta) {
-    keep = cell_polys(params.band);
-    params.band.cell_f = keep->f.data();
-    params.band.cell_d = keep->d.data();
-    params.band.wide = keep->wide.get();
-  }
+// The KL band's CPU tables (kept alive by the returned value) into the parameters, when the band needs them.
+CpuTables attach_loss_tables(LossParams& params) {
+  if (params.clip_kind != ClipKind::kBand) return {};
+  return attach_tables(params.band, params.per_token_delta);
 }
 
 // One row's Σ w·loss, Σ w and counts (totals[kSums], zeroed by the caller), the generic per-element loop.
@@ -212,8 +208,7 @@ void row_sums_generic(const LossParams& params, const DeltaConsts<acc_t>& c, con
 std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_forward(const LossTensors& inputs, const LossOpArgs& args,
                                                             LossParams params) {
   cpu_variant();  // an invalid BANDPO_LUT_CPU_VARIANT raises here, on the calling thread, not in a worker
-  std::shared_ptr<const CellPolys> keep;
-  attach_cells(params, keep);
+  const CpuTables keep = attach_loss_tables(params);
   const at::Tensor& lp = inputs.lp;
   const double delta_scalar = args.delta_scalar;
   const int64_t B = lp.size(0), n = lp.size(1);
@@ -255,8 +250,7 @@ at::Tensor loss_backward(const at::Tensor& grad_loss, const at::Tensor& row_scal
   cpu_variant();  // an invalid BANDPO_LUT_CPU_VARIANT raises here, on the calling thread, not in a worker
   const double g = grad_loss.to(at::kDouble).item<double>();  // a CPU tensor: no synchronisation
   const at::Tensor scale = row_scale.contiguous();
-  std::shared_ptr<const CellPolys> keep;
-  attach_cells(params, keep);
+  const CpuTables keep = attach_loss_tables(params);
   const at::Tensor& lp = inputs.lp;
   const double delta_scalar = args.delta_scalar;
   const int64_t B = lp.size(0), n = lp.size(1);

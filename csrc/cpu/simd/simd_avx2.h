@@ -38,6 +38,7 @@ struct V {
   BANDPO_SIMD_INLINE static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   BANDPO_SIMD_INLINE static F min(F a, F b) { return _mm256_min_ps(a, b); }  // b where either is NaN
   BANDPO_SIMD_INLINE static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  BANDPO_SIMD_INLINE static F trunc(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC); }
   BANDPO_SIMD_INLINE static F abs(F a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
   // max and min of the bits as signed integers (simd_common.h: for clamp_bits)
   BANDPO_SIMD_INLINE static F imax(F a, F b) {
@@ -71,6 +72,11 @@ struct V {
     }
   }
 
+  // v (whole numbers in int range) as int32, stored to p (8 ints)
+  BANDPO_SIMD_INLINE static void store_int(std::int32_t* p, F v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_cvttps_epi32(v));
+  }
+
   BANDPO_SIMD_INLINE static Consts consts() {
     const LogTableT<3>& lt = log_table_t<3>();
     return {_mm256_loadu_ps(lt.invc), _mm256_loadu_ps(lt.logc)};
@@ -81,18 +87,10 @@ struct V {
 
   // log x as in the AVX-512 type, with an 8-entry table (|r| <= 1/16) and a degree-6 series (truncation < 6e-10).
   BANDPO_SIMD_INLINE static F log(F x, const Consts& k) {
-    const __m256i ix = _mm256_castps_si256(x);
-    const __m256i tmp = _mm256_sub_epi32(ix, _mm256_set1_epi32(kLogOff));
-    const __m256i idx = _mm256_srli_epi32(tmp, 20);  // the permute reads the low 3 bits
-    const F e = _mm256_cvtepi32_ps(_mm256_srai_epi32(tmp, 23));
-    const F z = _mm256_castsi256_ps(_mm256_sub_epi32(ix, _mm256_and_si256(tmp, _mm256_set1_epi32(kExponentMask))));
-    const F r = _mm256_fmsub_ps(z, _mm256_permutevar8x32_ps(k.invc, idx), set1(1.0f));
-    const F y0 = fmadd(e, set1(kLn2Hi), _mm256_permutevar8x32_ps(k.logc, idx));
-    F s = fmadd(r, set1(-1.0f / 6.0f), set1(0.2f));
-    s = fmadd(r, s, set1(-0.25f));
-    s = fmadd(r, s, set1(1.0f / 3.0f));
-    s = fmadd(r, s, set1(-0.5f));
-    F y = add(y0, fmadd(mul(r, r), s, fmadd(e, set1(kLn2Lo), r)));
+    F e, logc, r;
+    log_reduce(x, k, e, logc, r);
+    const F y0 = fmadd(e, set1(kLn2Hi), logc);
+    F y = add(y0, fmadd(mul(r, r), log_series(r), fmadd(e, set1(kLn2Lo), r)));
     // 0, subnormals and negatives -> -inf, +inf -> +inf, NaN -> NaN (see the AVX-512 type)
     const M special = _mm256_or_ps(_mm256_cmp_ps(x, set1(kFloatMinNormal), _CMP_NGE_UQ),
                                    _mm256_cmp_ps(x, set1(kFloatMax), _CMP_GT_OQ));
@@ -100,6 +98,31 @@ struct V {
     y = blend(lt(x, set1(kFloatMinNormal)), y, set1(-kInf));
     y = blend(gt(x, set1(kFloatMax)), y, set1(kInf));
     return blend(unord(x, x), y, x);
+  }
+
+  // x = z·2^e as log() splits it: e (a whole number, as a float), the table's log c and r = z/c - 1.
+  BANDPO_SIMD_INLINE static void log_reduce(F x, const Consts& k, F& e, F& logc, F& r) {
+    const __m256i ix = _mm256_castps_si256(x);
+    const __m256i tmp = _mm256_sub_epi32(ix, _mm256_set1_epi32(kLogOff));
+    const __m256i idx = _mm256_srli_epi32(tmp, 20);  // the permute reads the low 3 bits
+    e = _mm256_cvtepi32_ps(_mm256_srai_epi32(tmp, 23));
+    const F z = _mm256_castsi256_ps(_mm256_sub_epi32(ix, _mm256_and_si256(tmp, _mm256_set1_epi32(kExponentMask))));
+    r = _mm256_fmsub_ps(z, _mm256_permutevar8x32_ps(k.invc, idx), set1(1.0f));
+    logc = _mm256_permutevar8x32_ps(k.logc, idx);
+  }
+  // (log1p(r) - r)/r², to r^6
+  BANDPO_SIMD_INLINE static F log_series(F r) {
+    F s = fmadd(r, set1(-1.0f / 6.0f), set1(0.2f));
+    s = fmadd(r, s, set1(-0.25f));
+    s = fmadd(r, s, set1(1.0f / 3.0f));
+    return fmadd(r, s, set1(-0.5f));
+  }
+  // log x = e·ln 2 + log z, the two parts unrounded against each other (for positive normal x only): e, and log z
+  // (|log z| < 0.36) to about 1e-8 absolute.
+  BANDPO_SIMD_INLINE static F log_parts(F x, const Consts& k, F& e) {
+    F logc, r;
+    log_reduce(x, k, e, logc, r);
+    return add(logc, fmadd(mul(r, r), log_series(r), r));
   }
 
   // e^x for x <= 88.7 (NaN stays NaN, below -104 gives 0): the series of exp_f32_reduced, then, as exp_f32 does,

@@ -29,6 +29,7 @@ struct V {
   BANDPO_SIMD_INLINE static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   BANDPO_SIMD_INLINE static F min(F a, F b) { return _mm512_min_ps(a, b); }  // b where either is NaN
   BANDPO_SIMD_INLINE static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  BANDPO_SIMD_INLINE static F trunc(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC); }
   BANDPO_SIMD_INLINE static F abs(F a) { return _mm512_abs_ps(a); }
   // max and min of the bits as signed integers (simd_common.h: for clamp_bits)
   BANDPO_SIMD_INLINE static F imax(F a, F b) {
@@ -53,6 +54,9 @@ struct V {
   BANDPO_SIMD_INLINE static F load(const float* p, Tail m) { return _mm512_maskz_loadu_ps(m, p); }
   BANDPO_SIMD_INLINE static void store(float* p, Tail m, F v) { _mm512_mask_storeu_ps(p, m, v); }
 
+  // v (whole numbers in int range) as int32, stored to p (16 ints)
+  BANDPO_SIMD_INLINE static void store_int(std::int32_t* p, F v) { _mm512_storeu_si512(p, _mm512_cvttps_epi32(v)); }
+
   BANDPO_SIMD_INLINE static Consts consts() {
     const LogTableT<4>& lt = log_table_t<4>();
     return {_mm512_loadu_ps(lt.invc), _mm512_loadu_ps(lt.logc)};
@@ -66,21 +70,36 @@ struct V {
   // table entry c of z's top 4 mantissa bits, log1p(r) by a degree-5 series (truncation < 2e-10). Absolute
   // error ~1e-8 plus the result's rounding; log(0) = -inf, log(+inf) = +inf, NaN stays NaN (fixed below).
   BANDPO_SIMD_INLINE static F log(F x, const Consts& k) {
+    F e, logc, r;
+    log_reduce(x, k, e, logc, r);
+    return fix_log_specials(x, log_combine(e, logc, r));
+  }
+  // x = z·2^e as log() splits it: e (a whole number, as a float), the table's log c and r = z/c - 1.
+  BANDPO_SIMD_INLINE static void log_reduce(F x, const Consts& k, F& e, F& logc, F& r) {
     const __m512i ix = _mm512_castps_si512(x);
     const __m512i tmp = _mm512_sub_epi32(ix, _mm512_set1_epi32(kLogOff));
     const __m512i idx = _mm512_srli_epi32(tmp, 19);  // the permute reads the low 4 bits
-    const F e = _mm512_cvtepi32_ps(_mm512_srai_epi32(tmp, 23));
+    e = _mm512_cvtepi32_ps(_mm512_srai_epi32(tmp, 23));
     const F z = _mm512_castsi512_ps(_mm512_sub_epi32(ix, _mm512_and_si512(tmp, _mm512_set1_epi32(kExponentMask))));
-    const F r = _mm512_fmsub_ps(z, _mm512_permutexvar_ps(idx, k.invc), set1(1.0f));
-    const F y = log_combine(e, _mm512_permutexvar_ps(idx, k.logc), r);
-    return fix_log_specials(x, y);
+    r = _mm512_fmsub_ps(z, _mm512_permutexvar_ps(idx, k.invc), set1(1.0f));
+    logc = _mm512_permutexvar_ps(idx, k.logc);
+  }
+  // log x = e·ln 2 + log z, the two parts unrounded against each other (for positive normal x only): e, and log z
+  // (|log z| < 0.36) to about 1e-8 absolute.
+  BANDPO_SIMD_INLINE static F log_parts(F x, const Consts& k, F& e) {
+    F logc, r;
+    log_reduce(x, k, e, logc, r);
+    return add(logc, fmadd(mul(r, r), log_series(r), r));
   }
   BANDPO_SIMD_INLINE static F log_combine(F e, F logc, F r) {
     const F y0 = fmadd(e, set1(kLn2Hi), logc);
+    return add(y0, fmadd(mul(r, r), log_series(r), fmadd(e, set1(kLn2Lo), r)));
+  }
+  // (log1p(r) - r)/r², to r^5
+  BANDPO_SIMD_INLINE static F log_series(F r) {
     F s = fmadd(r, set1(0.2f), set1(-0.25f));
     s = fmadd(r, s, set1(1.0f / 3.0f));
-    s = fmadd(r, s, set1(-0.5f));
-    return add(y0, fmadd(mul(r, r), s, fmadd(e, set1(kLn2Lo), r)));
+    return fmadd(r, s, set1(-0.5f));
   }
   // 0, subnormals and negatives -> -inf (a t far beyond the grid either way; negative arguments come only from
   // inputs already marked NaN), +inf -> +inf, NaN -> NaN.
