@@ -86,8 +86,10 @@ BANDPO_HD void kl_token_delta(const BandParams& band, acc_t x, acc_t delta, acc_
   } else {
     prob_terms<acc_t>(x, is_log_input<IN>(band), p, one_minus_p, t);
   }
-  acc_t q, kappa;
-  spline2d<acc_t>(band.table, t, log_any(delta), q, kappa);
+  acc_t q, kappa, ut, us;
+  const int it = axis_cell<acc_t>(t, band.table.t_min, band.table.t_step, band.table.nt, ut);
+  const int js = token_s_cell<acc_t>(band.table, band.s_axis, delta, us);
+  spline2d_cells<acc_t>(band.table, it, ut, js, us, q, kappa);
 #if defined(__CUDA_ARCH__)
   // The δ constants (an expm1 and a log) only for elements beyond the grid.
   const auto consts = [delta] { return delta_consts<acc_t>(delta); };

@@ -25,6 +25,11 @@ constexpr int kWarpSize = 64;
 constexpr int kWarpSize = 32;
 #endif
 
+BANDPO_HD float fma_any(float a, float b, float c) { return fmaf(a, b, c); }
+BANDPO_HD double fma_any(double a, double b, double c) { return fma(a, b, c); }
+BANDPO_HD float sqrt_any(float x) { return sqrtf(x); }
+BANDPO_HD double sqrt_any(double x) { return sqrt(x); }
+
 struct WideCells;  // csrc/cpu/simd/wide_cells.h
 
 // The table as the kernels see it. Plain data: pointers and sizes only, no at::Tensor.
@@ -41,6 +46,23 @@ struct TableView {
   bool delta_max_inclusive;
   double valid_min;  // the range ends rounded to the storage type of a per-token δ: a δ that rounds to an
   double valid_max;  // end counts as that end; outside [valid_min, valid_max] a per-token δ yields NaN
+};
+
+// The s axis for a per-token float δ, without the two roundings that `axis_cell(log δ)` makes in float: that of
+// s = log δ itself (up to 2.4e-7 for |s| in [4, 8)) and that of the node positions s_min + j·h for a step h that is
+// not a float (up to ~2e-7 at the far end). Both move the upper bound by as much relatively where p << δ (there
+// q_up ≈ 1 - e^{-δ}, whose log-derivative in s is ≈ 1). Instead, with log δ = e·ln 2 + log z as the kernel's log
+// splits it (e a whole number, |log z| < 0.36), the position x = (log δ - s_min)/h is e·A + (log z)/h - B,
+// A = ln 2/h and B = s_min/h, kept in two parts: x_int = e·A_hi - B_hi, exact (A_hi and B_hi are multiples of
+// 2^-k small enough for every e of the table's δ range), and x_small = (log z)/h + e·A_lo - B_lo, small. The cell
+// is j = ⌊x_int + x_small⌋ (held in the axis) and its fraction u = (x_int - j) + x_small: one rounding of a number
+// below 1. A j off by one where x lies within an ulp of a node leaves u just outside [0, 1], where the cubic of
+// the neighbouring cell agrees with the spline to O(ε³): u is not clamped.
+struct TokenSAxis {
+  float a_hi, a_lo;      // ln 2/h
+  float b_hi, b_lo;      // s_min/h
+  float inv_hi, inv_lo;  // 1/h
+  int last;              // last cell: ns - 2
 };
 
 // δ for the closed forms (closed_form_bounds): itself as a pair, and the lower bound's saturation point p*
@@ -66,6 +88,7 @@ struct BandParams {
   const double* cell_d;   // the same in double, for float64 inputs
   const WideCells* wide;  // CPU only (csrc/cpu/simd/wide_cells.h): the same re-cut into 32 wide cells, or null
   const float* pairs;     // CPU only, per-token δ, KL: the table with its planes interleaved (table_gather.h), or null
+  TokenSAxis s_axis;      // the table's s axis for a per-token float δ (token_s_axis, on the host)
   ClosedDelta<float> closed_f[3];  // closed forms in float: the scalar δ, δ_min, δ_max (closed_delta, on the host)
 };
 
@@ -142,7 +165,10 @@ BANDPO_HD int delta_weights(const TableView& tb, double delta, double ws[4]) {
   return js;
 }
 
-// Full tensor-product evaluation (per-token δ) at cells (it, js) with in-cell fractions (ut, us).
+// Full tensor-product evaluation (per-token δ) at cells (it, js) with in-cell fractions (ut, us). The sum is taken of
+// the differences from the patch's coefficient (1, 1), which is added last: Σ w_a·w_b·c_ab = c_11 + Σ w_a·w_b·(c_ab -
+// c_11), the weights summing to 1; the weights' rounding and the sum's then act on differences of a few per cent of
+// the value (in float, ~4e-7 relative becomes ~1e-7).
 template <typename T>
 BANDPO_HD void spline2d_cells(const TableView& tb, int it, T ut, int js, T us, T& q_up, T& kappa) {
   T wt[4], ws[4];
@@ -152,38 +178,22 @@ BANDPO_HD void spline2d_cells(const TableView& tb, int it, T ut, int js, T us, T
   T acc[2];
   for (int b = 0; b < 2; ++b) {
     const float* base = tb.coef + static_cast<std::int64_t>(b) * (tb.nt + 2) * ncol;
+    const T c11 = T(load_ro(base + static_cast<std::int64_t>(it + 1) * ncol + js + 1));
     T sum = T(0);
     for (int a = 0; a < 4; ++a) {
       const float* row = base + static_cast<std::int64_t>(it + a) * ncol + js;
-      sum += wt[a] * (ws[0] * T(load_ro(row)) + ws[1] * T(load_ro(row + 1)) + ws[2] * T(load_ro(row + 2)) +
-                      ws[3] * T(load_ro(row + 3)));
+      sum += wt[a] * (ws[0] * (T(load_ro(row)) - c11) + ws[1] * (T(load_ro(row + 1)) - c11) +
+                      ws[2] * (T(load_ro(row + 2)) - c11) + ws[3] * (T(load_ro(row + 3)) - c11));
     }
-    acc[b] = sum;
+    acc[b] = c11 + sum;
   }
   q_up = acc[0];
   kappa = acc[1];
 }
 
-// The s axis for a per-token float δ, without the two roundings that `axis_cell(log δ)` makes in float: that of
-// s = log δ itself (up to 2.4e-7 for |s| in [4, 8)) and that of the node positions s_min + j·h for a step h that is
-// not a float (up to ~2e-7 at the far end). Both move the upper bound by as much relatively where p << δ (there
-// q_up ≈ 1 - e^{-δ}, whose log-derivative in s is ≈ 1). Instead, with log δ = e·ln 2 + log z as the kernel's log
-// splits it (e a whole number, |log z| < 0.36), the position x = (log δ - s_min)/h is e·A + (log z)/h - B,
-// A = ln 2/h and B = s_min/h, kept in two parts: x_int = e·A_hi - B_hi, exact (A_hi and B_hi are multiples of
-// 2^-k small enough for every e of the table's δ range), and x_small = (log z)/h + e·A_lo - B_lo, small. The cell
-// is j = ⌊x_int + x_small⌋ (held in the axis) and its fraction u = (x_int - j) + x_small: one rounding of a number
-// below 1. A j off by one where x lies within an ulp of a node leaves u just outside [0, 1], where the cubic of
-// the neighbouring cell agrees with the spline to O(ε³): u is not clamped.
-struct TokenSAxis {
-  float a_hi, a_lo;      // ln 2/h
-  float b_hi, b_lo;      // s_min/h
-  float inv_hi, inv_lo;  // 1/h
-  int last;              // last cell: ns - 2
-};
-
 // e as the kernels' logs split a positive normal float x (csrc/cpu/simd/simd_common.h kLogOff: z in
 // [0.69921875, 1.3984375)).
-inline int token_log_exponent(float x) { return (float_to_bits(x) - 0x3f330000) >> 23; }
+BANDPO_HD int token_log_exponent(float x) { return (float_to_bits(x) - 0x3f330000) >> 23; }
 
 inline TokenSAxis token_s_axis(const TableView& tb) {
   const double h = tb.s_step, a = 0.6931471805599453 / h, b = tb.s_min / h;
@@ -204,13 +214,28 @@ inline TokenSAxis token_s_axis(const TableView& tb) {
   return s;
 }
 
-// q_up and κ at (t, s).
+// The s cell and fraction of a per-token δ inside the table's range (TokenSAxis): float δ by its exponent and
+// log z, double δ by axis_cell of log δ (exact enough in double).
 template <typename T>
-BANDPO_HD void spline2d(const TableView& tb, T t, T s, T& q_up, T& kappa) {
-  T ut, us;
-  const int it = axis_cell<T>(t, tb.t_min, tb.t_step, tb.nt, ut);
-  const int js = axis_cell<T>(s, tb.s_min, tb.s_step, tb.ns, us);
-  spline2d_cells<T>(tb, it, ut, js, us, q_up, kappa);
+BANDPO_HD int token_s_cell(const TableView& tb, const TokenSAxis& a, T d, T& u);
+
+template <>
+BANDPO_HD int token_s_cell<double>(const TableView& tb, const TokenSAxis&, double d, double& u) {
+  return axis_cell<double>(log_any(d), tb.s_min, tb.s_step, tb.ns, u);
+}
+
+template <>
+BANDPO_HD int token_s_cell<float>(const TableView&, const TokenSAxis& a, float d, float& u) {
+  const int e = token_log_exponent(d);
+  const float ef = static_cast<float>(e);
+  const float log_z = log_any(bits_to_float(float_to_bits(d) - e * (1 << 23)));  // z = d·2^-e, |log z| < 0.36
+  const float x_int = fma_any(ef, a.a_hi, -a.b_hi);                              // exact
+  const float x_small = fma_any(log_z, a.inv_hi, fma_any(log_z, a.inv_lo, fma_any(ef, a.a_lo, -a.b_lo)));
+  const float x = x_int + x_small;
+  int j = x >= 0.0f ? static_cast<int>(x) : 0;
+  j = j > a.last ? a.last : j;
+  u = (x_int - static_cast<float>(j)) + x_small;
+  return j;
 }
 
 // ---- probability inputs ----------------------------------------------------------------------------
@@ -392,11 +417,6 @@ BANDPO_HD void kl_finish_branched(T p, T one_minus_p, T t, T q_tab, T kappa, T d
 // although δ/p and δ(1-p)/p may not, still gives finite bounds; scaling by 2^k is exact. The square roots'
 // arguments are true quotients (one rounding fewer than a product with 1/p): chi2's and hellinger's lower
 // bounds carry their error, hellinger's squared.
-
-BANDPO_HD float fma_any(float a, float b, float c) { return fmaf(a, b, c); }
-BANDPO_HD double fma_any(double a, double b, double c) { return fma(a, b, c); }
-BANDPO_HD float sqrt_any(float x) { return sqrtf(x); }
-BANDPO_HD double sqrt_any(double x) { return sqrt(x); }
 
 // p* = s + e in double-double (for δ in (0, 1], the closed forms' range), then rounded to a pair of T.
 template <typename T>

@@ -146,8 +146,8 @@ BANDPO_INLINE void kl_f32_run(const FastRun& run) {
         ok[i] = delta_valid<float>(tb, dl[start + i]);
         dd[i] = delta_in_range<float>(tb, dl[start + i]);
       }
-      for (int i = 0; i < m; ++i) js[i] = axis_cell<float>(log_f32(dd[i]), tb.s_min, tb.s_step, tb.ns, us[i]);
-      patches(tb, it, ut, js, us, q, kap, m);
+      for (int i = 0; i < m; ++i) js[i] = token_s_cell<float>(tb, band.s_axis, dd[i], us[i]);
+      patches_scalar(tb, it, ut, js, us, q, kap, 0, m);
     } else {
       cell_cubics(cells, it, ut, q, kap, m);
     }
@@ -244,14 +244,14 @@ BANDPO_INLINE void f32_contiguous_body(const FastRun& run, bool log_input, bool 
   if constexpr (V == CpuVariant::kAvx512) {
     if (kl && !token && run.band->wide != nullptr) return avx512::kl_scalar(run, *run.band->wide, log_input, clip);
     if (kl && token && run.band->pairs != nullptr) {
-      return avx512::kl_token(run, pair_grid(run.band->table, run.band->pairs), log_input, clip);
+      return avx512::kl_token(run, pair_grid(*run.band), log_input, clip);
     }
   }
   if constexpr (V == CpuVariant::kAvx2) {
     if (kl && !token && run.band->cell_f != nullptr)
       return avx2::kl_scalar(run, narrow_cells(*run.band), log_input, clip);
     if (kl && token && run.band->pairs != nullptr) {
-      return avx2::kl_token(run, pair_grid(run.band->table, run.band->pairs), log_input, clip);
+      return avx2::kl_token(run, pair_grid(*run.band), log_input, clip);
     }
   }
 #endif

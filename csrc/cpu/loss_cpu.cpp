@@ -210,7 +210,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_forward(const LossTensors& i
   cpu_variant();  // an invalid BANDPO_LUT_CPU_VARIANT raises here, on the calling thread, not in a worker
   const CpuTables keep = attach_loss_tables(params);
   const at::Tensor& lp = inputs.lp;
-  const double delta_scalar = args.delta_scalar;
   const int64_t B = lp.size(0), n = lp.size(1);
   const int64_t chunks = (B + kRowsPerChunk - 1) / kRowsPerChunk;
   std::vector<double> row_s(B), row_w(B), chunk_counts(chunks * kNumCounts, 0.0);
@@ -252,7 +251,6 @@ at::Tensor loss_backward(const at::Tensor& grad_loss, const at::Tensor& row_scal
   const at::Tensor scale = row_scale.contiguous();
   const CpuTables keep = attach_loss_tables(params);
   const at::Tensor& lp = inputs.lp;
-  const double delta_scalar = args.delta_scalar;
   const int64_t B = lp.size(0), n = lp.size(1);
   at::Tensor grad = at::empty(lp.sizes(), lp.options());  // dense row-major: the layout the loops write
   const double* S = scale.data_ptr<double>();

@@ -59,6 +59,26 @@ for delta in (1e-3, 0.05, 0.3, 1.0):
         bad = torch.tensor([1.5, -0.25]) if not log_input else torch.tensor([0.5, 3.0])
         lo5, up5 = bandpo_lut.bounds(delta=delta, **{("log_p_old" if log_input else "p_old"): bad})
         assert lo5.isnan().all() and up5.isnan().all()
+# Per-token δ: the same checks with a δ per element (inside and beyond the table's range, NaN).
+d64 = np.exp(np.random.default_rng(8).uniform(math.log(1e-3), math.log(1.0), len(p64)))
+d32 = torch.from_numpy(d64).float()
+d32[9:40:7] = torch.tensor([0.0, 2.0, float("nan"), -0.1, 1e-4])
+for log_input in (False, True):
+    x = torch.log(p32) if log_input else p32
+    key = "log_p_old" if log_input else "p_old"
+    lo, up = bandpo_lut.bounds(delta=d32, **{key: x})
+    rlo, rup = ref_bounds(delta=d32.double(), **{key: x.double()})
+    assert torch.equal(lo.isnan(), rlo.isnan()) and torch.equal(up.isnan(), rup.isnan()), log_input
+    ok = ~rlo.isnan()
+    eu, el = accuracy.float32_worst(lo[ok].numpy(), up[ok].numpy(), rlo[ok].numpy(), rup[ok].numpy())
+    worst[f"token/{'logp' if log_input else 'p'}"] = [eu, el]
+    m, dm = x[: 64 * 33].reshape(64, 33), d32[: 64 * 33].reshape(64, 33)
+    lo2, up2 = bandpo_lut.bounds(delta=dm.t().contiguous().t(), **{key: m.t().contiguous().t()})
+    same = lambda a, b: torch.equal(a.view(torch.int32), b.reshape(a.shape).view(torch.int32))
+    assert same(lo2, lo[: 64 * 33]) and same(up2, up[: 64 * 33]), log_input
+    for start in range(17):
+        lo3, up3 = bandpo_lut.bounds(delta=d32[start:start + 21], **{key: x[start:start + 21]})
+        assert same(lo3, lo[start:start + 21]) and same(up3, up[start:start + 21]), (log_input, start)
 out["worst"] = worst
 # mpmath at a few hundred points, scalar δ = 0.05, p input
 pm, _ = accuracy.sample_points(400, 1e-3, 1.0, seed=11)
@@ -66,6 +86,14 @@ pm32 = torch.from_numpy(pm).float()
 lo, up = bandpo_lut.bounds(pm32, 0.05)
 rlo, rup = accuracy.exact_bounds_f64(pm32.double().numpy(), np.full(len(pm), 0.05), "kl")
 out["mpmath"] = list(accuracy.float32_worst(lo.numpy(), up.numpy(), rlo, rup))
+# mpmath, per-token δ, where the upper bound is most sensitive to the s position: p << δ (there q_up ≈ 1 - e^{-δ},
+# whose log-derivative in s = log δ is ≈ 1), δ small (|s| large, its float rounding largest)
+g = np.random.default_rng(12)
+pt32 = torch.sigmoid(torch.from_numpy(g.uniform(-14.0, -6.0, 300))).float()
+dt32 = torch.from_numpy(np.exp(g.uniform(math.log(1e-3), math.log(2e-2), 300))).float()
+lo, up = bandpo_lut.bounds(pt32, dt32)
+rlo, rup = accuracy.exact_bounds_f64(pt32.double().numpy(), dt32.double().numpy(), "kl")
+out["mpmath_token"] = list(accuracy.float32_worst(lo.numpy(), up.numpy(), rlo, rup))
 print(json.dumps(out))
 """
 
@@ -83,6 +111,10 @@ def test_each_variant_is_accurate_and_layout_exact(tmp_path, variant):
         assert eu <= 6e-7 and el <= 3e-7, (variant, key, eu, el)
     eu, el = out["mpmath"]
     assert eu <= 7e-7 and el <= 3e-7, (variant, eu, el)
+    # Per-token δ, end to end: the s position is taken without rounding log δ or the nodes, and the patch sum of
+    # differences (bandpo_math.h TokenSAxis, spline2d_cells); rounding either way costs up to ~4e-7 here.
+    eu, el = out["mpmath_token"]
+    assert eu <= 4.5e-7 and el <= 2.5e-7, (variant, eu, el)
 
 
 LOSS_CHECK = r"""

@@ -1,10 +1,8 @@
-// The table reads of the CPU band loops (the one part the compiler will not vectorise): per element, the
-// cubics of its t cell (scalar δ) or the 4x4 B-spline patch of its (t, s) cell (per-token δ), for blocks of
-// elements whose cell indices and fractions are already computed.
-//
-// On x86-64 with AVX2+FMA (checked at run time) the reads use whole-row loads: the 8 coefficients of a
-// cell are one 256-bit load, transposed 8 elements at a time; a patch row is one 128-bit load. Elsewhere
-// the same arithmetic runs as scalar code. The result is the same polynomial, evaluated in float.
+// The table reads of the CPU band loops (the one part the compiler will not vectorise), for elements whose cell
+// indices and fractions are already computed: per element, the cubics of its t cell (scalar δ: the blocked loops'
+// cell_cubics, with whole-row loads and an 8x8 transpose where the CPU has AVX2+FMA, checked at run time) or the
+// 4x4 B-spline patches of its (t, s) cell (per-token δ: patches_scalar in the blocked loops of the baseline ISA,
+// pair_patches_avx2 in the fused kernels, from the pair table whose patch rows are single 256-bit loads).
 #pragma once
 
 #include <cstdint>
@@ -44,16 +42,18 @@ inline std::vector<float> make_pair_table(const TableView& tb) {
   return pairs;
 }
 
-inline PairGrid pair_grid(const TableView& tb, const float* pairs) {
+// The PairGrid of a band whose `pairs` are attached (band_cpu.cpp attach_tables).
+inline PairGrid pair_grid(const BandParams& band) {
+  const TableView& tb = band.table;
   PairGrid g;
-  g.pairs = pairs;
+  g.pairs = band.pairs;
   g.row = 2 * (tb.ns + 2);
   g.t_lo = static_cast<float>(tb.t_min);
   g.t_hi = static_cast<float>(tb.t_min + (tb.nt - 1) * tb.t_step);
   g.t_step = static_cast<float>(tb.t_step);
   g.t_inv = static_cast<float>(1.0 / tb.t_step);
   g.t_last = tb.nt - 2;
-  g.s = token_s_axis(tb);
+  g.s = band.s_axis;
   g.valid_min = static_cast<float>(tb.valid_min);
   g.valid_max = static_cast<float>(tb.valid_max);
   g.max_inclusive = tb.delta_max_inclusive;
@@ -132,34 +132,6 @@ __attribute__((target("avx2,fma"))) inline void cell_cubics_avx2(const float* __
   cell_cubics_scalar(cells, it, ut, q, kap, i, m);
 }
 
-__attribute__((target("avx2,fma"))) inline void patches_avx2(const TableView& tb, const int* __restrict it,
-                                                             const float* __restrict ut, const int* __restrict js,
-                                                             const float* __restrict us, float* __restrict q,
-                                                             float* __restrict kap, int m) {
-  const int ncol = tb.ns + 2;
-  const std::int64_t plane = static_cast<std::int64_t>(tb.nt + 2) * ncol;
-  for (int i = 0; i < m; ++i) {
-    float wt[4], ws[4];
-    bspline_weights<float>(ut[i], wt);
-    bspline_weights<float>(us[i], ws);
-    const __m128 wsv = _mm_loadu_ps(ws);
-    const float* base = tb.coef + static_cast<std::int64_t>(it[i]) * ncol + js[i];
-    // Σ_a wt[a]·row_a for both planes, then the dot product with the s weights.
-    __m128 aq = _mm_mul_ps(_mm_set1_ps(wt[0]), _mm_loadu_ps(base));
-    __m128 ak = _mm_mul_ps(_mm_set1_ps(wt[0]), _mm_loadu_ps(base + plane));
-    for (int a = 1; a < 4; ++a) {
-      aq = _mm_fmadd_ps(_mm_set1_ps(wt[a]), _mm_loadu_ps(base + a * ncol), aq);
-      ak = _mm_fmadd_ps(_mm_set1_ps(wt[a]), _mm_loadu_ps(base + plane + a * ncol), ak);
-    }
-    aq = _mm_mul_ps(aq, wsv);
-    ak = _mm_mul_ps(ak, wsv);
-    const __m128 h = _mm_hadd_ps(aq, ak);  // [q01, q23, k01, k23]
-    const __m128 h2 = _mm_hadd_ps(h, h);   // [q, k, q, k]
-    q[i] = _mm_cvtss_f32(h2);
-    kap[i] = _mm_cvtss_f32(_mm_shuffle_ps(h2, h2, 0x55));
-  }
-}
-
 // The per-token δ table read of the fused KL kernels (kl_simd_body.inc), from the pair table (PairGrid): an
 // element's two 4x4 patches are four 256-bit rows (the 4 coefficients of a patch row in both planes, interleaved),
 // which its t weights combine; the row sums of 8 elements are transposed and their s weights applied across the
@@ -221,14 +193,6 @@ inline void cell_cubics(const float* cells, const int* it, const float* ut, floa
   if (cpu_has_avx2_fma()) return cell_cubics_avx2(cells, it, ut, q, kap, m);
 #endif
   cell_cubics_scalar(cells, it, ut, q, kap, 0, m);
-}
-
-inline void patches(const TableView& tb, const int* it, const float* ut, const int* js, const float* us, float* q,
-                    float* kap, int m) {
-#if defined(BANDPO_HAVE_X86_GATHER)
-  if (cpu_has_avx2_fma()) return patches_avx2(tb, it, ut, js, us, q, kap, m);
-#endif
-  patches_scalar(tb, it, ut, js, us, q, kap, 0, m);
 }
 
 }  // namespace bandpo
