@@ -24,9 +24,9 @@ From the repository root it does what only a GPU machine can, and runs the test 
   6. torch.compile(fullgraph=True) and a CUDA-graph capture of clip and policy_loss on the GPU (a Python and a
      host 0-dim δ; replays with new inputs), against eager,
   7. checks bandpo_lut.fused_linear_policy_loss on CUDA (tools/gpu_check_fused_linear.py: against the unfused
-     path, no host synchronisation, torch.compile) and prints its memory/time table against the unfused path
-     and, where liger-kernel is installed, Liger's fused-linear GRPO loss (fails above 1/8 of the unfused
-     path's extra memory at V = 131072),
+     path, no host synchronisation, torch.compile) and, where liger-kernel is installed, that Liger's fused-linear
+     GRPO loss computes what the bench compares it as; the memory/time table is `bandpo-lut bench --device cuda
+     --fused-linear` (tools/gpu_session.sh runs both),
 and exits non-zero if anything failed. The random seed (sanitizer workload and timing inputs) is printed.
 Everything printed, the subprocesses' output included, is also written to DIR/gpu_check.log (DIR: --out, else $OUT
 when set), with one log per step beside it (build-<compiler>.log, pytest.log, sanitizer-<tool>.log, ...).
@@ -460,7 +460,7 @@ def compile_and_graph() -> None:
 
 
 def fused_linear(seed: int) -> None:
-    """Step 7: tools/gpu_check_fused_linear.py's checks and table; a crash is a failure, the summary still prints."""
+    """Step 7: tools/gpu_check_fused_linear.py's checks; a crash is a failure, the summary still prints."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -468,6 +468,7 @@ def fused_linear(seed: int) -> None:
         import gpu_check_fused_linear
 
         gpu_check_fused_linear.check(report, torch.Generator().manual_seed(seed))
+        gpu_check_fused_linear.check_liger(report, torch.Generator().manual_seed(seed))
     except Exception as err:
         import traceback
 

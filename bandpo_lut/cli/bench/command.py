@@ -7,7 +7,8 @@ Rows (float32, N = 2**22 elements by default, p_old drawn like LM token probabil
                                             (without the published code's per-step host syncs)
   bandpo_lut.clip, scalar δ / per-token δ   this package (kl, and tv/chi2 closed forms)
   fused loss vs canonical eager PPO loss    (batch, T) = (64, 8192), forward + backward, with metrics
-With --fused-linear, only the section of `bandpo_lut.cli.bench.fused_linear` (unfused vs fused_linear_policy_loss).
+With --fused-linear, only the section of `bandpo_lut.cli.bench.fused_linear` (unfused vs fused_linear_policy_loss,
+in float32 and/or bfloat16 (--fl-dtype), and Liger's fused-linear GRPO loss on CUDA where liger-kernel is installed).
 Then the accuracy of `clip`'s bounds against mpmath at random points, and (CPU) the peak extra memory of
 the fused and the eager loss, measured in fresh subprocesses from the resident-set high-water mark.
 
@@ -59,10 +60,11 @@ def add_arguments(parser):
 
 
 def _check_args(args):
-    """The checks argparse cannot make alone (the device, the --json path); raises UsageError before any
-    timing starts. Returns the torch.device."""
+    """The checks argparse cannot make alone (the fused-linear section's options, the device, the --json path);
+    raises UsageError before any timing starts. Returns the torch.device."""
     from bandpo_lut.cli.args import UsageError, check_memory
 
+    bench_fused_linear.check_args(args)
     try:
         device = torch.device(args.device)
     except RuntimeError:
