@@ -11,9 +11,10 @@ subnormal spacings. mpmath costs ~1-6 ms a point: 10^5 points of the four diverg
 
 --device cuda: the bounds are computed on the GPU, and each line also gives the CPU's errors on the same points and
 how many of the GPU's bounds differ from the CPU's (and by how much, relative): the GPU within the CPU's bars.
---truth FILE: the mpmath truth is read from FILE (an .npz this script wrote for the same points: seed, count,
-divergences and the points' digest must match, else it refuses), or computed and written there when FILE does not
-exist: the truth does not depend on the device, so a GPU session carries it instead of spending minutes on mpmath.
+--truth FILE: an .npz of the mpmath truth, one entry per divergence and δ: an entry it holds for these points is
+read, one it lacks is computed and added (saved entry by entry, so an interrupted run keeps its work), one it holds
+for other points (another seed or --points) is refused. The truth does not depend on the device: a GPU session
+carries the file instead of spending a minute of 16 cores on mpmath.
 """
 from __future__ import annotations
 
@@ -55,38 +56,43 @@ def points(name: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(p).float(), torch.from_numpy(d).float()
 
 
-def sample_digest(samples: dict) -> str:
-    """sha256 of every divergence's float32 points, in order: what a truth file must have been computed for."""
-    h = hashlib.sha256(f"dps={DPS};scalar={DELTA_SCALAR}".encode())
-    for name, (p, d) in samples.items():
-        h.update(name.encode())
-        h.update(p.numpy().tobytes())
-        h.update(d.numpy().tobytes())
+def entry_digest(p: torch.Tensor, d, label: str) -> str:
+    """sha256 of one entry's points (float32 p, the δ: per-token float32 values or the scalar) and mpmath's digits:
+    what its stored truth must have been computed for."""
+    h = hashlib.sha256(f"dps={DPS};{label}".encode())
+    h.update(p.numpy().tobytes())
+    h.update(d.numpy().tobytes() if isinstance(d, torch.Tensor) else repr(float(d)).encode())
     return h.hexdigest()
 
 
-def load_truth(path: Path, digest: str) -> dict | None:
-    """The truth arrays of `path` (key f"{name}/{label}/lo|up"), None where it does not exist; SystemExit naming
-    --truth where it holds another sample."""
+def load_truth(path: Path) -> dict:
+    """The arrays of a truth file (f"{divergence}/{label}/lo|up|digest"), empty where it does not exist; SystemExit
+    naming --truth where it is not one."""
     if not path.exists():
-        return None
+        return {}
     try:
         with np.load(path) as data:
-            stored = str(data["digest"])
-            truth = {k: data[k] for k in data.files if k != "digest"}
-    except (OSError, ValueError, KeyError) as err:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError) as err:
         sys.exit(f"measure_accuracy: --truth {path}: not a truth file of this script ({err})")
-    if stored != digest:
-        sys.exit(f"measure_accuracy: --truth {path} holds the truth of another sample (seed, --points or "
-                 "--divergence differ); give a new path to compute this one's")
-    return truth
 
 
-def save_truth(path: Path, truth: dict, digest: str) -> None:
+def stored_truth(truth: dict, key: str, digest: str, path: Path):
+    """(lo, up) of `key` when the file holds it for these points, None when it holds no such entry; SystemExit when
+    it holds the entry for other points (another seed or --points): nothing is replaced that was not asked for."""
+    if key + "/digest" not in truth:
+        return None
+    if str(truth[key + "/digest"]) != digest:
+        sys.exit(f"measure_accuracy: --truth {path} holds {key} for other points (another --seed or --points); "
+                 "give a new path to compute this sample's")
+    return truth[key + "/lo"], truth[key + "/up"]
+
+
+def save_truth(path: Path, truth: dict) -> None:
     """Written beside the target and renamed into place: never a half-written file under its name."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}.npz")
     try:
-        np.savez(tmp, digest=np.array(digest), **truth)
+        np.savez(tmp, **truth)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -122,24 +128,27 @@ def main(argv=None) -> int:
     if a.truth is not None and a.truth.is_dir():
         ap.error(f"--truth {a.truth}: is a folder; name a file")
     samples = {name: points(name, a.points, a.seed) for name in a.divergence}
-    digest = sample_digest(samples)
-    truth = load_truth(a.truth, digest) if a.truth is not None else None
-    computed = {}
+    truth = load_truth(a.truth) if a.truth is not None else {}
     on_gpu = device.type != "cpu"
     print(f"compiled bounds, float32 in, on {device}, vs mpmath ({DPS} digits); {a.points} random points each; "
-          f"seed {a.seed}; truth {'read from ' + str(a.truth) if truth is not None else 'computed here'}")
+          f"seed {a.seed}" + (f"; truth file {a.truth}" if a.truth is not None else ""))
     print(f"{'divergence':10s} {'delta':>10s} {'upper max rel':>14s} {'lower max':>10s}"
           + (f" {'cpu upper':>10s} {'cpu lower':>10s} {'lo != cpu':>10s} {'max rel':>8s} {'up != cpu':>10s} "
-             f"{'max rel':>8s}" if on_gpu else ""))
+             f"{'max rel':>8s}" if on_gpu else "") + "  truth")
     for name, (p32, d32) in samples.items():
         for label, dd in (("per-token", d32), (f"{DELTA_SCALAR}", DELTA_SCALAR)):
-            key = f"{name}/{label}"
-            if truth is not None:
-                rlo, rup = truth[key + "/lo"], truth[key + "/up"]
+            key, digest = f"{name}/{label}", entry_digest(p32, dd, label)
+            stored = stored_truth(truth, key, digest, a.truth) if a.truth is not None else None
+            if stored is not None:
+                (rlo, rup), source = stored, "read"
             else:
                 d_exact = d32.double().numpy() if label == "per-token" else np.full(a.points, DELTA_SCALAR)
                 rlo, rup = exact_parallel(p32.double().numpy(), d_exact, name, a.workers)
-                computed[key + "/lo"], computed[key + "/up"] = rlo, rup
+                source = "computed"
+                if a.truth is not None:   # saved entry by entry: an interrupted run keeps what it computed
+                    truth.update({key + "/lo": rlo, key + "/up": rup, key + "/digest": np.array(digest)})
+                    save_truth(a.truth, truth)
+                    source += ", saved"
             lo, up = (t.cpu() for t in bandpo_lut.bounds(p32.to(device), dd.to(device) if label == "per-token"
                                                           else dd, name))
             eu, el = accuracy.float32_worst(lo.numpy(), up.numpy(), rlo, rup)
@@ -149,10 +158,7 @@ def main(argv=None) -> int:
                 ceu, cel = accuracy.float32_worst(clo.numpy(), cup.numpy(), rlo, rup)
                 (nlo, glo), (nup, gup) = relative_gap(lo, clo), relative_gap(up, cup)
                 line += f" {ceu:10.2e} {cel:10.2e} {nlo:10d} {glo:8.1e} {nup:10d} {gup:8.1e}"
-            print(line, flush=True)
-    if a.truth is not None and truth is None:
-        save_truth(a.truth, computed, digest)
-        print(f"(the truth written to {a.truth}: pass it again with --truth to skip mpmath)")
+            print(f"{line}  {source}", flush=True)
     return 0
 
 
