@@ -143,14 +143,14 @@ def local_arch() -> str:
 def compiler_envs(names: list[str]) -> list[tuple[str, dict]]:
     """(name, environment) per compiler to build with: `default` is the environment as it is (its CXX/CC or the
     `c++` on PATH, what a user's `pip install` gets); `system` is /usr/bin/g++ and /usr/bin/gcc, skipped when that
-    is the default compiler already."""
+    is the default compiler already and `default` is built too."""
     out = []
     for name in names:
         if name == "default":
             out.append(("default", dict(os.environ)))
         elif name == "system":
             default = shutil.which(os.environ.get("CXX", "c++"))
-            if default and Path(default).resolve() == Path(SYSTEM_CXX).resolve():
+            if "default" in names and default and Path(default).resolve() == Path(SYSTEM_CXX).resolve():
                 print(f"[build] the default compiler is {SYSTEM_CXX}: no separate system build")
                 continue
             out.append(("system", dict(os.environ, CXX=SYSTEM_CXX, CC=SYSTEM_CC)))

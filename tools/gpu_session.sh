@@ -99,7 +99,9 @@ run_step() {
 
 # A CUDA build of the extension importable here (a warm machine keeps the last one); else build it.
 ensure_build() {
-  [ $DRY = 1 ] && return
+  # not in a dry run, and not twice: a build step that ran and failed has said why
+  [ $DRY = 1 ] || [ $BUILD_TRIED = 1 ] && return
+  BUILD_TRIED=1
   if ! "$PY" -c "import bandpo_lut, sys; from bandpo_lut.runtime import _extension as e; \
 sys.exit(0 if e.facts()['build']['with_cuda'] else 1)" >/dev/null 2>&1; then
     echo "== no CUDA build of bandpo_lut is installed: building with the system compiler first"
@@ -142,7 +144,8 @@ TRUTH=$CARRY/accuracy_truth.npz
 [ $DRY = 1 ] || [ ! -f "$TRUTH" ] && TRUTH=$OUT/accuracy_truth.npz
 
 selected env && run_step env env_step
-selected build && run_step build "${GPU_CHECK[@]}" --build-only --compilers default,system --out "$OUT/gpu_check"
+BUILD_TRIED=0
+selected build && BUILD_TRIED=1 && run_step build "${GPU_CHECK[@]}" --build-only --compilers default,system --out "$OUT/gpu_check"
 if selected check; then
   ensure_build
   run_step check "${GPU_CHECK[@]}" --no-build --no-ptxas --sanitizer-timeout 60 --tests-timeout 200 \

@@ -63,6 +63,23 @@ def test_bad_arguments_are_refused_before_any_step(tmp_path, args, message):
     assert r.returncode == 2 and message in r.stderr and not out.exists(), r.stderr
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="here a CUDA build would be made and measured")
+def test_steps_that_need_the_cuda_build_build_it_first_once(tmp_path):
+    """Without the CUDA build installed (a fresh machine, or --steps without build), the first step that needs it
+    builds it with the system compiler first, once; on a machine without a GPU every one of them says so and the
+    session fails (exit 1), each step's own exit status in the summary."""
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", str(SCRIPT), "--steps", "accuracy,bench"], capture_output=True, text=True, timeout=120,
+                       env=fresh_env(OUT=out, PYTHON=sys.executable), cwd=tmp_path)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert r.stdout.count("no CUDA build of bandpo_lut is installed: building with the system compiler first") == 1
+    rows = summary(r.stdout)
+    assert [row[0] for row in rows] == ["build", "accuracy", "bench"], rows
+    assert all(row[1] == "exit" and row[2] != "0" for row in rows), rows
+    assert "gpu_check: no CUDA device" in (out / "build.log").read_text()
+    assert "no CUDA device is available" in (out / "accuracy.log").read_text()
+
+
 @pytest.mark.slow
 def test_full_dry_run_runs_accuracy_and_both_benches_with_the_session_flags(tmp_path):
     """Every step, the commands of the GPU session at tiny sizes on the CPU: the accuracy truth is written for the
