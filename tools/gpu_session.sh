@@ -20,6 +20,9 @@
 #   bench     bandpo-lut bench --device cuda (each row's share of copy bandwidth)
 #   bench-fl  bandpo-lut bench --device cuda --fused-linear --fl-dtype float32 bfloat16 --fl-vocab 131072
 #             (unfused, fused and, where liger-kernel is installed, Liger; memory and time)
+#   ncu       (only when named in --steps) ncu --clock-control none on tools/ncu_workload.py: each band row's kernel
+#             at N = 2^26 and the loss at 512 x 8192, speed of light, memory, scheduler (issue slots) and
+#             occupancy sections, printed and kept as OUT/ncu.ncu-rep
 # A step that needs the extension and finds none built for CUDA (a fresh machine, --steps without build) builds it
 # with the system compiler first. Exit status: 0 when every step ran and passed, else 1; a summary table last.
 #
@@ -31,7 +34,7 @@ ROOT=$PWD
 DRY=0
 BUDGET=540
 STEPS="env,build,check,accuracy,bench,bench-fl"
-ALL_STEPS=" env build check accuracy bench bench-fl "
+ALL_STEPS=" env build check accuracy bench bench-fl ncu "
 while [ $# -gt 0 ]; do
   case $1 in
     --dry-run) DRY=1 ;;
@@ -57,8 +60,8 @@ START=$SECONDS
 SUMMARY=()
 FAILED=0
 # The least each step needs to be worth starting, and its limit (seconds).
-declare -A LEAST=([env]=10 [build]=60 [check]=150 [accuracy]=30 [bench]=40 [bench-fl]=80)
-declare -A LIMIT=([env]=30 [build]=200 [check]=330 [accuracy]=120 [bench]=90 [bench-fl]=150)
+declare -A LEAST=([env]=10 [build]=60 [check]=150 [accuracy]=30 [bench]=40 [bench-fl]=80 [ncu]=60)
+declare -A LIMIT=([env]=30 [build]=200 [check]=330 [accuracy]=120 [bench]=90 [bench-fl]=150 [ncu]=240)
 
 selected() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
@@ -122,6 +125,22 @@ env_step() {
     "$CARRY"/*.whl && echo "installed into /tmp/gpu-session-site: $(cd "$CARRY" && ls ./*.whl)"
 }
 
+ncu_step() {
+  if [ "$DRY" = 1 ]; then
+    echo "(dry run: the workload on the CPU, no ncu)"
+    "$PY" tools/ncu_workload.py --device cpu --n 4096 --batch 2 --tokens 64
+    return
+  fi
+  local ncu
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  "$ncu" --clock-control none --profile-from-start off --nvtx --kernel-name-base demangled \
+    --kernel-name regex:bandpo --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
+    --section Occupancy --section LaunchStats --export "$OUT/ncu" --force-overwrite \
+    "$PY" tools/ncu_workload.py || return
+  "$ncu" --import "$OUT/ncu.ncu-rep" --page details
+}
+
+export DRY OUT
 echo "gpu_session: steps $STEPS; budget $BUDGET s; OUT $OUT$([ $DRY = 1 ] && echo '; DRY RUN (CPU, tiny sizes)')"
 # the carried wheels (installed by the env step, or by an earlier call on this warm machine)
 if [ -d /tmp/gpu-session-site ] || compgen -G "$CARRY/*.whl" >/dev/null; then
@@ -163,6 +182,10 @@ if selected bench-fl; then
   ensure_build
   run_step bench-fl "$PY" -m bandpo_lut.cli bench --device $DEV --fused-linear --fl-dtype float32 bfloat16 \
     "${BENCH_FL[@]}" --json "$OUT/bench_fused_linear.json"
+fi
+if selected ncu; then
+  ensure_build
+  run_step ncu ncu_step
 fi
 
 echo

@@ -33,12 +33,13 @@ def summary(stdout: str) -> list[list[str]]:
 
 
 def test_dry_run_runs_the_chosen_steps_in_order_with_a_log_each(tmp_path):
-    r, out = session(tmp_path, "--steps", "env,build,check")
+    r, out = session(tmp_path, "--steps", "ncu,check,build,env")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert [row[0] for row in summary(r.stdout)] == ["env", "build", "check"]
+    assert [row[0] for row in summary(r.stdout)] == ["env", "build", "check", "ncu"]     # the script's order
     assert all(row[1:3] == ["exit", "0"] for row in summary(r.stdout)), r.stdout[-2000:]
-    for step in ("env", "build", "check"):
+    for step in ("env", "build", "check", "ncu"):
         assert (out / f"{step}.log").stat().st_size > 0, step
+    assert "ncu_workload: 9 ops run (no profiler) on cpu" in (out / "ncu.log").read_text()
     assert (out / "session.log").read_text() == r.stdout        # everything printed is also in OUT
     # the plan of each gpu_check call: both compilers, default first; then the checks on the installed build
     build, check = (out / "build.log").read_text(), (out / "check.log").read_text()
