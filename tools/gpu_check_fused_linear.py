@@ -118,7 +118,8 @@ def _liger():
 
     try:
         loss = liger_loss()
-    except ImportError:
+    except ImportError as err:
+        print(f"  (liger-kernel not importable: {err})")
         return None
 
     def run(h, w, ids, old, adv, mask):
@@ -135,7 +136,7 @@ def check_liger(report, g, device="cuda") -> None:
 
     liger = _liger()
     if liger is None:
-        print("  (liger-kernel not installed: Liger's loss not checked; the bench's Liger row says so too)")
+        print("  (Liger's loss not checked; the bench's Liger row says why too)")
         return
     x = _inputs(g, 3, 70, 64, 3000, device, torch.float32)
     errs = [_rel(a, b) for a, b in zip(_grads(liger, x), _grads(_fused, x, clip="fixed", agg="token-mean"))]

@@ -17,7 +17,8 @@
 #   accuracy  tools/measure_accuracy.py --device cuda, 10^5 points per divergence, against mpmath and the CPU; the
 #             truth is read from .gpu_carry/accuracy_truth.npz when carried (else computed there, ~1 minute on 16
 #             cores, and written to OUT for the next session to carry)
-#   bench     bandpo-lut bench --device cuda (each row's share of copy bandwidth)
+#   bench     bandpo-lut bench --device cuda --n 2^26 --batch 512 (each row's share of copy bandwidth; the loss at
+#             512 x 8192)
 #   bench-fl  bandpo-lut bench --device cuda --fused-linear --fl-dtype float32 bfloat16 --fl-vocab 131072
 #             (unfused, fused and, where liger-kernel is installed, Liger; memory and time)
 #   ncu       (only when named in --steps) ncu --clock-control none on tools/ncu_workload.py: each band row's kernel
@@ -156,7 +157,7 @@ else
   DEV=cuda
   GPU_CHECK=("$PY" tools/gpu_check.py)
   ACC=(--points 100000 --workers "$(nproc)")
-  BENCH=()
+  BENCH=(--n 67108864 --batch 512)    # 2^26: the inputs far past the L2 (a copy-bandwidth share means DRAM)
   BENCH_FL=(--fl-vocab 131072 --fl-repeats 5)
 fi
 TRUTH=$CARRY/accuracy_truth.npz
