@@ -297,7 +297,10 @@ def cuda_tests(quick: bool, timeout: float | None = None) -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, str(ROOT / "tests")]
     print(f"[tests] pytest -m {marker!r} tests", flush=True)
     t0 = time.time()
-    rc, out = run_logged(cmd, "pytest.log", cwd=ROOT / "tests", timeout=timeout)
+    # The trainers' test modules need verl/TRL/SkyRL/OpenRLHF, which a GPU image lacks (a missing one is a collection
+    # error there, by design); none of them holds a CUDA case.
+    env = dict(os.environ, BANDPO_SKIP_INTEGRATIONS="1")
+    rc, out = run_logged(cmd, "pytest.log", cwd=ROOT / "tests", timeout=timeout, env=env)
     summary = out.strip().splitlines()[-1] if out.strip() else ""
     # exit 5: nothing collected, i.e. no test ran on the GPU: a failure here
     report(f"pytest -m {marker!r}", rc == 0, f"{time.time() - t0:.0f} s, exit {rc}: {summary[:80]}")
