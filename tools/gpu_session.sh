@@ -109,7 +109,7 @@ ensure_build() {
   if ! "$PY" -c "import bandpo_lut, sys; from bandpo_lut.runtime import _extension as e; \
 sys.exit(0 if e.facts()['build']['with_cuda'] else 1)" >/dev/null 2>&1; then
     echo "== no CUDA build of bandpo_lut is installed: building with the system compiler first"
-    run_step build "$PY" tools/gpu_check.py --build-only --compilers system --out "$OUT/gpu_check"
+    run_step build "$PY" "$ROOT"/tools/gpu_check.py --build-only --compilers system --out "$OUT/gpu_check"
   fi
 }
 
@@ -129,7 +129,7 @@ env_step() {
 ncu_step() {
   if [ "$DRY" = 1 ]; then
     echo "(dry run: the workload on the CPU, no ncu)"
-    "$PY" tools/ncu_workload.py --device cpu --n 4096 --batch 2 --tokens 64
+    "$PY" "$ROOT"/tools/ncu_workload.py --device cpu --n 4096 --batch 2 --tokens 64
     return
   fi
   local ncu
@@ -137,11 +137,14 @@ ncu_step() {
   "$ncu" --clock-control none --profile-from-start off --nvtx --kernel-name-base demangled \
     --kernel-name regex:bandpo --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
     --section Occupancy --section LaunchStats --export "$OUT/ncu" --force-overwrite \
-    "$PY" tools/ncu_workload.py || return
+    "$PY" "$ROOT"/tools/ncu_workload.py || return
   "$ncu" --import "$OUT/ncu.ncu-rep" --page details
 }
 
-export DRY OUT
+export DRY OUT ROOT
+# Every step runs from an empty folder: from the repository root, `python -m bandpo_lut...` would import the source
+# tree (which holds no compiled extension) instead of the build installed by the build step.
+cd "$(mktemp -d)" || exit 1
 echo "gpu_session: steps $STEPS; budget $BUDGET s; OUT $OUT$([ $DRY = 1 ] && echo '; DRY RUN (CPU, tiny sizes)')"
 # the carried wheels (installed by the env step, or by an earlier call on this warm machine)
 if [ -d /tmp/gpu-session-site ] || compgen -G "$CARRY/*.whl" >/dev/null; then
@@ -149,13 +152,13 @@ if [ -d /tmp/gpu-session-site ] || compgen -G "$CARRY/*.whl" >/dev/null; then
 fi
 if [ $DRY = 1 ]; then
   DEV=cpu
-  GPU_CHECK=("$PY" tools/gpu_check.py --dry-run)
+  GPU_CHECK=("$PY" "$ROOT"/tools/gpu_check.py --dry-run)
   ACC=(--points 100 --divergence kl --workers 1)
   BENCH=(--n 4096 --batch 2 --tokens 64 --repeats 1 --skip-bisection --skip-memory --accuracy-points 0)
   BENCH_FL=(--fl-tokens 64 --fl-hidden 16 --fl-vocab 512 --fl-repeats 1)
 else
   DEV=cuda
-  GPU_CHECK=("$PY" tools/gpu_check.py)
+  GPU_CHECK=("$PY" "$ROOT"/tools/gpu_check.py)
   ACC=(--points 100000 --workers "$(nproc)")
   BENCH=(--n 67108864 --batch 512)    # 2^26: the inputs far past the L2 (a copy-bandwidth share means DRAM)
   BENCH_FL=(--fl-vocab 131072 --fl-repeats 5)
@@ -173,7 +176,7 @@ if selected check; then
 fi
 if selected accuracy; then
   ensure_build
-  run_step accuracy "$PY" tools/measure_accuracy.py --device $DEV "${ACC[@]}" --truth "$TRUTH"
+  run_step accuracy "$PY" "$ROOT"/tools/measure_accuracy.py --device $DEV "${ACC[@]}" --truth "$TRUTH"
 fi
 if selected bench; then
   ensure_build
