@@ -63,7 +63,8 @@ def test_info_text_and_json(capsys):
 BENCH_ROWS = ("torch.clamp(ratio, 0.8, 1.28)", "tv closed form, plain PyTorch", "chi2 closed form, plain PyTorch",
               "bandpo_lut.bounds kl, scalar delta", "bandpo_lut.clip kl, scalar delta",
               "bandpo_lut.clip kl, log_p_old, scalar delta", "bandpo_lut.clip kl, per-token delta",
-              "bandpo_lut.clip tv, scalar delta", "bandpo_lut.clip chi2, scalar delta")
+              "bandpo_lut.clip tv, scalar delta", "bandpo_lut.clip chi2, scalar delta",
+              "bandpo_lut.clip hellinger, scalar delta")
 
 
 def test_bench_prints_one_consistent_table(tmp_path, capsys):
