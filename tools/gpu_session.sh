@@ -15,8 +15,8 @@
 #             memcheck/racecheck/synccheck, the timing table, torch.compile and CUDA-graph capture, no host
 #             synchronisation, the fused-linear loss (and Liger's, where installed)
 #   accuracy  tools/measure_accuracy.py --device cuda, 10^5 points per divergence, against mpmath and the CPU; the
-#             truth is read from .gpu_carry/accuracy_truth.npz when carried (else computed there, ~1 minute on 16
-#             cores, and written to OUT for the next session to carry)
+#             truth is read from a copy of .gpu_carry/accuracy_truth.npz when carried (else computed there, ~1 minute
+#             on 16 cores, and written to OUT for the next session to carry)
 #   bench     bandpo-lut bench --device cuda --n 2^26 --batch 512 (each row's share of copy bandwidth; the loss at
 #             512 x 8192)
 #   bench-fl  bandpo-lut bench --device cuda --fused-linear --fl-dtype float32 bfloat16 --fl-vocab 131072
@@ -163,8 +163,10 @@ else
   BENCH=(--n 67108864 --batch 512)    # 2^26: the inputs far past the L2 (a copy-bandwidth share means DRAM)
   BENCH_FL=(--fl-vocab 131072 --fl-repeats 5)
 fi
-TRUTH=$CARRY/accuracy_truth.npz
-[ $DRY = 1 ] || [ ! -f "$TRUTH" ] && TRUTH=$OUT/accuracy_truth.npz
+# The accuracy step's truth file: a copy of the carried one (its entries for other points, should this numpy draw
+# other points, are then computed again in the copy), else computed here; either way it comes back in OUT.
+TRUTH=$OUT/accuracy_truth.npz
+[ $DRY = 0 ] && [ -f "$CARRY/accuracy_truth.npz" ] && [ ! -f "$TRUTH" ] && cp "$CARRY/accuracy_truth.npz" "$TRUTH"
 
 selected env && run_step env env_step
 BUILD_TRIED=0
@@ -176,7 +178,7 @@ if selected check; then
 fi
 if selected accuracy; then
   ensure_build
-  run_step accuracy "$PY" "$ROOT"/tools/measure_accuracy.py --device $DEV "${ACC[@]}" --truth "$TRUTH"
+  run_step accuracy "$PY" "$ROOT"/tools/measure_accuracy.py --device $DEV "${ACC[@]}" --truth "$TRUTH" --replace-other
 fi
 if selected bench; then
   ensure_build

@@ -1,7 +1,7 @@
 """Accuracy of the compiled bounds against 40-digit mpmath over a large random sample (the README's figures).
 
     python tools/measure_accuracy.py --points 100000 [--divergence kl ...] [--workers 2] [--seed 2026]
-                                     [--device cuda] [--truth FILE]
+                                     [--device cuda] [--truth FILE [--replace-other]]
 
 Points: `bandpo_lut.tables.accuracy.sample_points` (60% with |logit p| ≤ 14, a fifth in each tail, δ log-uniform over
 the table's range); inputs float32, δ per token (float32) and, separately, the scalar δ = 0.05. The truth is
@@ -13,7 +13,8 @@ subnormal spacings. mpmath costs ~1-6 ms a point: 10^5 points of the four diverg
 how many of the GPU's bounds differ from the CPU's (and by how much, relative): the GPU within the CPU's bars.
 --truth FILE: an .npz of the mpmath truth, one entry per divergence and δ: an entry it holds for these points is
 read, one it lacks is computed and added (saved entry by entry, so an interrupted run keeps its work), one it holds
-for other points (another seed or --points) is refused. The truth does not depend on the device: a GPU session
+for other points (another seed or --points, or a numpy that draws other points) is refused, or with
+--replace-other computed again and replaced. The truth does not depend on the device: a GPU session
 carries the file instead of spending a minute of 16 cores on mpmath.
 """
 from __future__ import annotations
@@ -77,12 +78,16 @@ def load_truth(path: Path) -> dict:
         sys.exit(f"measure_accuracy: --truth {path}: not a truth file of this script ({err})")
 
 
-def stored_truth(truth: dict, key: str, digest: str, path: Path):
-    """(lo, up) of `key` when the file holds it for these points, None when it holds no such entry; SystemExit when
-    it holds the entry for other points (another seed or --points): nothing is replaced that was not asked for."""
+def stored_truth(truth: dict, key: str, digest: str, path: Path, replace_other: bool = False):
+    """(lo, up) of `key` when the file holds it for these points, None when it holds no such entry (or one for other
+    points, with replace_other: then it is computed again and replaced); else SystemExit when it holds the entry for
+    other points (another seed or --points): nothing is replaced that was not asked for."""
     if key + "/digest" not in truth:
         return None
     if str(truth[key + "/digest"]) != digest:
+        if replace_other:
+            print(f"({key}: {path} holds it for other points: computed again)")
+            return None
         sys.exit(f"measure_accuracy: --truth {path} holds {key} for other points (another --seed or --points); "
                  "give a new path to compute this sample's")
     return truth[key + "/lo"], truth[key + "/up"]
@@ -119,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="where the bounds are computed (cpu or cuda)")
     ap.add_argument("--truth", type=Path, default=None,
                     help="an .npz of the mpmath truth: read when it exists (same sample only), else written")
+    ap.add_argument("--replace-other", action="store_true",
+                    help="entries --truth holds for other points are computed again and replaced (default: refused)")
     a = ap.parse_args(argv)
     if a.points < 1 or a.workers < 1:
         ap.error("--points and --workers must be >= 1")
@@ -138,7 +145,7 @@ def main(argv=None) -> int:
     for name, (p32, d32) in samples.items():
         for label, dd in (("per-token", d32), (f"{DELTA_SCALAR}", DELTA_SCALAR)):
             key, digest = f"{name}/{label}", entry_digest(p32, dd, label)
-            stored = stored_truth(truth, key, digest, a.truth) if a.truth is not None else None
+            stored = stored_truth(truth, key, digest, a.truth, a.replace_other) if a.truth is not None else None
             if stored is not None:
                 (rlo, rup), source = stored, "read"
             else:

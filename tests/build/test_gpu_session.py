@@ -122,3 +122,40 @@ def test_gpu_check_reads_setup_py_refusal_as_the_toolchain_probe_finding(tmp_pat
     assert not (tmp_path / "lib").exists()                         # refused before anything was built
     assert gpu_check.probe_refusal(1, "error: command 'g++' failed") is None        # another failure is a failure
     assert gpu_check.probe_refusal(0, out) is None
+
+
+@pytest.mark.slow
+def test_measure_accuracy_truth_file_is_read_refused_for_other_points_or_replaced_when_asked(tmp_path):
+    """The accuracy step's mpmath truth: computed and saved on the first run (mpmath's values at the sample's
+    float32 points), read on the next (no mpmath), refused for another sample (exit 1, naming --truth and the
+    entry), recomputed in place only with --replace-other."""
+    import numpy as np
+    import torch
+
+    from bandpo_lut.tables import accuracy
+    from bandpo_lut.tables import store as tables
+
+    truth = tmp_path / "truth.npz"
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(REPO / "tools" / "measure_accuracy.py"), "--points", "30",
+                               "--divergence", "tv", "--workers", "1", "--truth", str(truth), *args],
+                              capture_output=True, text=True, timeout=120, env=fresh_env(), cwd=tmp_path)
+
+    first = run()
+    assert first.returncode == 0 and first.stdout.count("computed, saved") == 2, first.stdout + first.stderr
+    t = tables.get("tv")
+    p, d = accuracy.sample_points(30, t.delta_min, t.delta_max, 2026, delta_max_inclusive=t.delta_max_inclusive)
+    p32 = torch.from_numpy(p).float().double().numpy()
+    d32 = torch.from_numpy(d).float().double().numpy()
+    with np.load(truth) as data:
+        lo, up = accuracy.exact_bounds_f64(p32[:5], d32[:5], "tv")
+        assert np.array_equal(data["tv/per-token/lo"][:5], lo) and np.array_equal(data["tv/per-token/up"][:5], up)
+    again = run()
+    assert again.returncode == 0 and again.stdout.count(" read") == 2
+    assert again.stdout.replace("read", "X") == first.stdout.replace("computed, saved", "X")   # the same errors
+    other = run("--seed", "7")
+    assert other.returncode == 1 and f"--truth {truth} holds tv/per-token for other points" in other.stderr
+    replaced = run("--seed", "7", "--replace-other")
+    assert replaced.returncode == 0 and replaced.stdout.count("computed again") == 2, replaced.stdout
+    assert run("--seed", "7").stdout.count(" read") == 2
