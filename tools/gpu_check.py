@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """GPU check of bandpo_lut: one command on a machine with a CUDA GPU, torch and nvcc (no network needed).
 
-    python tools/gpu_check.py [--out DIR] [--compilers system,default] [--seed S] [--no-build] [--no-sanitizer]
-                              [--quick] [--dry-run]
+    python tools/gpu_check.py [--out DIR] [--compilers system,default] [--seed S] [--no-build] [--build-only]
+                              [--no-ptxas] [--no-sanitizer] [--sanitizer-timeout S] [--tests-timeout S] [--quick]
+                              [--dry-run]
 
 From the repository root it does what only a GPU machine can, and runs the test suite's CUDA half for the rest:
   1. builds and installs the extension for the local GPU only (TORCH_CUDA_ARCH_LIST from the device), once per
      compiler of --compilers (default `system,default`: CXX=/usr/bin/g++ CC=/usr/bin/gcc when that is not the
      default compiler already, then the environment's own CXX or `c++`), and imports each build in a fresh process
-     (a GCC that links libstdc++ statically made `import bandpo_lut` segfault); the last build (the
-     default compiler's, what a user's `pip install` gets) stays installed for the steps below,
+     (a GCC that links libstdc++ statically made `import bandpo_lut` segfault); a compiler that the build's
+     toolchain probe refuses is reported with the probe's message (a finding, not a failure); the last build (by
+     default the default compiler's, what a user's `pip install` gets) stays installed for the steps below, which
+     run only if it built and imports (--build-only stops here),
   2. prints ptxas register, spill and shared-memory figures of every kernel (nvcc -Xptxas -v per .cu file),
   3. runs the CUDA tests, `pytest -m cuda tests` (with --quick: `-m "cuda and not slow"`), in a fresh process that
      imports the installed build: every op against the pure-PyTorch reference and mpmath on the GPU (every
@@ -24,9 +27,9 @@ From the repository root it does what only a GPU machine can, and runs the test 
   6. torch.compile(fullgraph=True) and a CUDA-graph capture of clip and policy_loss on the GPU (a Python and a
      host 0-dim δ; replays with new inputs), against eager,
   7. checks bandpo_lut.fused_linear_policy_loss on CUDA (tools/gpu_check_fused_linear.py: against the unfused
-     path, no host synchronisation, torch.compile) and prints its memory/time table against the unfused path
-     and, where liger-kernel is installed, Liger's fused-linear GRPO loss (fails above 1/8 of the unfused
-     path's extra memory at V = 131072),
+     path, no host synchronisation, torch.compile) and, where liger-kernel is installed, that Liger's fused-linear
+     GRPO loss computes what the bench compares it as; the memory/time table is `bandpo-lut bench --device cuda
+     --fused-linear` (tools/gpu_session.sh runs both),
 and exits non-zero if anything failed. The random seed (sanitizer workload and timing inputs) is printed.
 Everything printed, the subprocesses' output included, is also written to DIR/gpu_check.log (DIR: --out, else $OUT
 when set), with one log per step beside it (build-<compiler>.log, pytest.log, sanitizer-<tool>.log, ...).
@@ -55,6 +58,7 @@ CLIP_BANDWIDTH_MIN = 0.60      # clip kl (scalar delta) bytes/s over device-to-d
 FAILURES: list[str] = []
 LOG_DIR: Path | None = None    # --out / $OUT: where the logs go
 SYSTEM_CXX, SYSTEM_CC = "/usr/bin/g++", "/usr/bin/gcc"
+PROBE_REFUSAL = "bandpo_lut setup: error: the C++ compiler"    # how setup.py reports the toolchain probe's refusal
 
 
 class Tee:
@@ -139,14 +143,14 @@ def local_arch() -> str:
 def compiler_envs(names: list[str]) -> list[tuple[str, dict]]:
     """(name, environment) per compiler to build with: `default` is the environment as it is (its CXX/CC or the
     `c++` on PATH, what a user's `pip install` gets); `system` is /usr/bin/g++ and /usr/bin/gcc, skipped when that
-    is the default compiler already."""
+    is the default compiler already and `default` is built too."""
     out = []
     for name in names:
         if name == "default":
             out.append(("default", dict(os.environ)))
         elif name == "system":
             default = shutil.which(os.environ.get("CXX", "c++"))
-            if default and Path(default).resolve() == Path(SYSTEM_CXX).resolve():
+            if "default" in names and default and Path(default).resolve() == Path(SYSTEM_CXX).resolve():
                 print(f"[build] the default compiler is {SYSTEM_CXX}: no separate system build")
                 continue
             out.append(("system", dict(os.environ, CXX=SYSTEM_CXX, CC=SYSTEM_CC)))
@@ -163,6 +167,13 @@ def compiler_line(env: dict) -> str:
         return f"{cxx} (not found)"
 
 
+def probe_refusal(rc: int, out: str) -> str | None:
+    """The toolchain probe's refusal in a failed build's output (setup.py's message, from its start), else None."""
+    if rc == 0 or PROBE_REFUSAL not in out:
+        return None
+    return out[out.find(PROBE_REFUSAL):].strip()
+
+
 def build(arch: str, name: str, env: dict) -> bool:
     env = dict(env, TORCH_CUDA_ARCH_LIST=arch, MAX_JOBS=os.environ.get("MAX_JOBS", str(os.cpu_count() or 4)))
     print(f"[build {name}] {compiler_line(env)}; TORCH_CUDA_ARCH_LIST={arch} MAX_JOBS={env['MAX_JOBS']}", flush=True)
@@ -173,8 +184,19 @@ def build(arch: str, name: str, env: dict) -> bool:
     if rc != 0 and "externally-managed-environment" in out:     # a distribution's Python outside a venv (PEP 668)
         rc, out = run_logged(cmd + ["--break-system-packages"], f"build-{name}.log", env=env,
                              cwd=tempfile.gettempdir(), echo=False)
+    probe = [line.strip() for line in out.splitlines() if "toolchain probe:" in line]
+    refusal = probe_refusal(rc, out)
+    if refusal:
+        # What the toolchain probe is for: a compiler whose build would break at import is refused with a message
+        # naming it and the fix. A finding to quote, not a failure (the next compiler's build must import).
+        print(f"    the toolchain probe refused the {name} compiler:\n      " +
+              "\n      ".join(refusal.splitlines()[:12]))
+        report(f"build with the {name} compiler refused by the toolchain probe", True, f"{time.time() - t0:.0f} s")
+        return False
     if rc != 0:
         print(out[-4000:])
+    elif probe:
+        print(f"    {probe[-1]}")
     return report(f"build with the {name} compiler", rc == 0, f"{time.time() - t0:.0f} s")
 
 
@@ -189,13 +211,13 @@ print(json.dumps(dict(build=_extension.facts()["build"], so=_extension.load().__
 """
 
 
-def import_check(name: str, env: dict) -> None:
+def import_check(name: str, env: dict) -> bool:
     """The build just installed imports and runs (exit -11 was the segfault); prints whether its _C links
     libstdc++ dynamically and how many iostream symbols it defines itself (a static libstdc++ defines them)."""
     rc, out = run_logged([sys.executable, "-c", IMPORT_CHECK], f"import-{name}.log", env=env,
                          cwd=tempfile.gettempdir(), timeout=120)
     detail = "segfault (exit -11)" if rc == -11 else f"exit {rc}"
-    report(f"import bandpo_lut built with the {name} compiler", rc == 0, detail)
+    ok = report(f"import bandpo_lut built with the {name} compiler", rc == 0, detail)
     m = re.search(r'"so": "([^"]+)"', out)
     if m and shutil.which("readelf") and shutil.which("nm"):
         so = m.group(1)
@@ -204,6 +226,7 @@ def import_check(name: str, env: dict) -> None:
         defined = subprocess.run(["nm", "-D", "-C", "--defined-only", so], capture_output=True, text=True).stdout
         n_ios = sum(1 for line in defined.splitlines() if re.search(r"basic_ostream|ios_base|std::locale", line))
         print(f"    {Path(so).name}: NEEDED {', '.join(needed)}; iostream/locale symbols defined in it: {n_ios}")
+    return ok
 
 
 def ptxas_figures(arch: str) -> None:
@@ -267,14 +290,17 @@ def demangle(sym: str) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # 3: the CUDA tests
 
-def cuda_tests(quick: bool) -> None:
+def cuda_tests(quick: bool, timeout: float | None = None) -> None:
     """pytest -m cuda over tests/, from tests/ (not the repository root, whose bandpo_lut is the source tree
     without the compiled extension): the tests import the build just installed."""
     marker = "cuda and not slow" if quick else "cuda"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, str(ROOT / "tests")]
     print(f"[tests] pytest -m {marker!r} tests", flush=True)
     t0 = time.time()
-    rc, out = run_logged(cmd, "pytest.log", cwd=ROOT / "tests")
+    # The trainers' test modules need verl/TRL/SkyRL/OpenRLHF, which a GPU image lacks (a missing one is a collection
+    # error there, by design); none of them holds a CUDA case.
+    env = dict(os.environ, BANDPO_SKIP_INTEGRATIONS="1")
+    rc, out = run_logged(cmd, "pytest.log", cwd=ROOT / "tests", timeout=timeout, env=env)
     summary = out.strip().splitlines()[-1] if out.strip() else ""
     # exit 5: nothing collected, i.e. no test ran on the GPU: a failure here
     report(f"pytest -m {marker!r}", rc == 0, f"{time.time() - t0:.0f} s, exit {rc}: {summary[:80]}")
@@ -307,7 +333,7 @@ def sanitizer_workload() -> None:
     torch.cuda.synchronize()
 
 
-def run_sanitizers(seed: int) -> None:
+def run_sanitizers(seed: int, timeout: float = 240) -> None:
     from torch.utils import cpp_extension
 
     tool = shutil.which("compute-sanitizer") or str(Path(cpp_extension.CUDA_HOME or "/usr/local/cuda") / "bin" /
@@ -319,7 +345,7 @@ def run_sanitizers(seed: int) -> None:
         t0 = time.time()
         cmd = [tool, "--tool", check, "--error-exitcode", "3", "--kernel-regex", "kns=bandpo",
                sys.executable, str(Path(__file__).resolve()), "--workload", "--seed", str(seed)]
-        rc, out = run_logged(cmd, f"sanitizer-{check}.log", cwd=tempfile.gettempdir(), timeout=240, echo=False)
+        rc, out = run_logged(cmd, f"sanitizer-{check}.log", cwd=tempfile.gettempdir(), timeout=timeout, echo=False)
         summary = re.findall(r"ERROR SUMMARY: \d+ errors?|RACECHECK SUMMARY: \d+ hazards?.*", out)
         report(f"compute-sanitizer {check}", rc == 0, f"{time.time() - t0:.0f} s  {' '.join(summary)}")
         if rc != 0:
@@ -460,7 +486,7 @@ def compile_and_graph() -> None:
 
 
 def fused_linear(seed: int) -> None:
-    """Step 7: tools/gpu_check_fused_linear.py's checks and table; a crash is a failure, the summary still prints."""
+    """Step 7: tools/gpu_check_fused_linear.py's checks; a crash is a failure, the summary still prints."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -468,6 +494,7 @@ def fused_linear(seed: int) -> None:
         import gpu_check_fused_linear
 
         gpu_check_fused_linear.check(report, torch.Generator().manual_seed(seed))
+        gpu_check_fused_linear.check_liger(report, torch.Generator().manual_seed(seed))
     except Exception as err:
         import traceback
 
@@ -492,10 +519,15 @@ def plan(args, arch: str) -> None:
         for name, env in compiler_envs(args.compilers):
             print(f"  1. build with {name}: CXX={env.get('CXX', '(unset: c++)')} CC={env.get('CC', '(unset: cc)')}"
                   f" ({compiler_line(env)}), TORCH_CUDA_ARCH_LIST={arch}; then the import check in a fresh process")
-    print("  2. ptxas figures of csrc/cuda/*.cu")
-    print(f"  3. pytest -m {'cuda and not slow' if args.quick else 'cuda'!r} tests (log: pytest.log)")
-    print("  4. compute-sanitizer memcheck, racecheck, synccheck on --workload" if not args.no_sanitizer else
-          "  4. (no sanitizer)")
+    if args.build_only:
+        print("  (--build-only: nothing more)")
+        print(f"  logs: {LOG_DIR if LOG_DIR else '(none: give --out DIR or set $OUT)'}")
+        return
+    print("  2. ptxas figures of csrc/cuda/*.cu" if not args.no_ptxas else "  2. (no ptxas figures)")
+    print(f"  3. pytest -m {'cuda and not slow' if args.quick else 'cuda'!r} tests (log: pytest.log"
+          + (f", at most {args.tests_timeout:g} s)" if args.tests_timeout else ")"))
+    print(f"  4. compute-sanitizer memcheck, racecheck, synccheck on --workload, at most {args.sanitizer_timeout:g} s "
+          "each" if not args.no_sanitizer else "  4. (no sanitizer)")
     print("  5. timing table   6. torch.compile and CUDA-graph capture   7. fused linear")
     print(f"  logs: {LOG_DIR if LOG_DIR else '(none: give --out DIR or set $OUT)'}")
 
@@ -511,6 +543,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default {DEFAULT_SEED})")
     ap.add_argument("--no-build", action="store_true", help="check the installed build as it is")
     ap.add_argument("--no-sanitizer", action="store_true")
+    ap.add_argument("--sanitizer-timeout", type=float, default=240, help="seconds per sanitizer run (default 240)")
+    ap.add_argument("--tests-timeout", type=float, default=None, help="seconds for the CUDA tests (default: none)")
+    ap.add_argument("--no-ptxas", action="store_true", help="skip the ptxas figures (they need no GPU: "
+                                                             "tools/sass_counts.py and nvcc -Xptxas -v give them)")
+    ap.add_argument("--build-only", action="store_true", help="build(s) and import check(s), then stop")
     ap.add_argument("--quick", action="store_true", help="the CUDA tests without the slow ones (no 2^31-element case)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the compilers found; run nothing")
     ap.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)      # under compute-sanitizer
@@ -534,17 +571,23 @@ def main() -> int:
     arch = local_arch()
     print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, Python {sys.version.split()[0]}")
     if args.no_build:
-        import_check("installed", dict(os.environ))
+        installed = import_check("installed", dict(os.environ))
     else:
+        installed = False
         for name, env in compiler_envs(args.compilers):
-            if build(arch, name, env):
-                import_check(name, env)
-        if FAILURES:      # a build that does not import: the steps below would test something else
-            return finish()
-    ptxas_figures(arch)
-    cuda_tests(args.quick)
+            installed = build(arch, name, env) and import_check(name, env)
+    if not installed or args.build_only:
+        # the last build did not build or import: the steps below would test an older build, or none
+        print(f"\ngpu_check: {time.time() - t0:.0f} s" + ("" if installed else "; the installed build is not the "
+                                                         "last one built, or does not import: stopped here"))
+        if not installed:
+            report("the last build is installed and imports", False)
+        return finish()
+    if not args.no_ptxas:
+        ptxas_figures(arch)
+    cuda_tests(args.quick, args.tests_timeout)
     if not args.no_sanitizer:
-        run_sanitizers(args.seed)
+        run_sanitizers(args.seed, args.sanitizer_timeout)
     timing(None)
     compile_and_graph()
     fused_linear(args.seed)

@@ -4,12 +4,14 @@ check(report, g): the fused loss on CUDA against the unfused path on CUDA (float
     hidden state next to a float32 head under autocast to the tolerance of tests/runtime/test_fused_linear.py) and
     against the fused loss on CPU; forward and backward under
     torch.cuda.set_sync_debug_mode("error") (any host synchronisation raises); torch.compile(fullgraph=True).
-timing(report): N = 4096 tokens (4 x 1024), H = 1024, V = 32768 and 131072, LM head frozen and trained,
-    float32 and bfloat16 (hidden and head in that dtype; the unfused path's log_softmax in float32):
-    peak extra memory (torch.cuda.max_memory_allocated above what was allocated before the step, minus the
-    gradients of hidden and weight) and fwd+bwd time of the unfused path, the fused one and, where
-    liger-kernel is installed, Liger's fused-linear GRPO loss (fixed eps 0.2, loss_type "bnpo", no KL).
-    Fails if the fused path's extra memory exceeds 1/8 of the unfused path's at V = 131072.
+check_liger(report, g): where liger-kernel is installed, Liger's fused-linear GRPO loss as `bandpo-lut bench` calls
+    it equals fused_linear_policy_loss(clip="fixed") (so that the bench's Liger row times the same loss).
+timing(report): N = 4096 tokens (4 x 1024), H = 1024, V = 32768 and 131072, LM head frozen and trained, float32
+    and bfloat16 (hidden and head in that dtype; the unfused path's log_softmax in float32): peak extra memory
+    (torch.cuda.max_memory_allocated above what was allocated before the step, minus the gradients of hidden and
+    weight) and fwd+bwd time of the unfused path, the fused one and, where liger-kernel is installed, Liger's.
+    Fails if the fused path's extra memory exceeds 1/8 of the unfused path's at V = 131072. (On the GPU the table
+    of record is `bandpo-lut bench --device cuda --fused-linear`, each path in a fresh process.)
 
 Dry run without a GPU: `python tools/gpu_check_fused_linear.py --cpu` runs both on CPU at small sizes (no
 memory figures, no sync check).
@@ -108,17 +110,38 @@ def check(report, g, device="cuda") -> None:
 
 
 def _liger():
+    """Liger's fused-linear GRPO loss as `bandpo-lut bench` calls it (`liger_loss`: fixed eps 0.2, "bnpo", no KL), on
+    this script's inputs (per-sequence advantages already); None where liger-kernel is not installed."""
+    import torch
+
+    from bandpo_lut.cli.bench.fused_linear import liger_loss
+
     try:
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-    except ImportError:
+        loss = liger_loss()
+    except ImportError as err:
+        print(f"  (liger-kernel not importable: {err})")
         return None
-    loss = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="bnpo", epsilon_low=0.2,
-                                    epsilon_high=0.2)
 
     def run(h, w, ids, old, adv, mask):
-        return loss(h, w, ids, mask.long(), adv, old_per_token_logps=old)[0]
+        return loss(h, w, ids, old, adv, mask.to(torch.float32))
 
     return run
+
+
+def check_liger(report, g, device="cuda") -> None:
+    """The bench's Liger row computes the loss it is compared as: Liger's fused-linear GRPO loss equals
+    fused_linear_policy_loss with clip="fixed" (eps 0.2), agg="token-mean" and each row's advantage on every token,
+    in loss and both gradients (float32). Said, not failed, where liger-kernel is not installed."""
+    import torch
+
+    liger = _liger()
+    if liger is None:
+        print("  (Liger's loss not checked; the bench's Liger row says why too)")
+        return
+    x = _inputs(g, 3, 70, 64, 3000, device, torch.float32)
+    errs = [_rel(a, b) for a, b in zip(_grads(liger, x), _grads(_fused, x, clip="fixed", agg="token-mean"))]
+    report("Liger's fused-linear GRPO loss == fused_linear_policy_loss(clip='fixed')", max(errs) <= 1e-5,
+           " ".join(f"{e:.1e}" for e in errs))
 
 
 def _measure(fn, x, device, reps):
@@ -198,5 +221,6 @@ if __name__ == "__main__":   # the CPU dry run
     if "--cpu" not in sys.argv:
         sys.exit("usage: python tools/gpu_check_fused_linear.py --cpu  (the CUDA run is part of tools/gpu_check.py)")
     check(_report, torch.Generator().manual_seed(0), device="cpu")
+    check_liger(_report, torch.Generator().manual_seed(0), device="cpu")
     timing(_report, device="cpu", rows=2, steps=64, hidden=64, vocabs=(4096,), reps=1)
     sys.exit(1 if failures else 0)

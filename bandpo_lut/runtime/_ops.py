@@ -86,6 +86,9 @@ torch.library.register_autograd("bandpo_lut::bounds", _bounds_backward, setup_co
 _LOSS_FWD = ops.policy_loss_fwd.default
 _LOSS_FWD_ARGS = [a.name for a in _LOSS_FWD._schema.arguments]
 _LOSS_SAVED = ("log_prob", "old_log_prob", "advantages", "mask", "delta")   # tensors the backward recomputes from
+_LOSS_SAVED_AT = tuple(_LOSS_FWD_ARGS.index(k) for k in _LOSS_SAVED)            # their places among the inputs
+# The scalar arguments the backward takes: delta_scalar .. mode (agg is folded into row_scale).
+_LOSS_PARAMS = slice(_LOSS_FWD_ARGS.index("delta_scalar"), _LOSS_FWD_ARGS.index("agg"))
 
 
 @torch.library.register_fake("bandpo_lut::policy_loss_fwd")
@@ -100,12 +103,9 @@ def _loss_bwd_fake(grad_loss, row_scale, log_prob, *args):
 
 
 def _loss_setup_context(ctx, inputs, output):
-    named = dict(zip(_LOSS_FWD_ARGS, inputs))
-    present = [k for k in _LOSS_SAVED if named[k] is not None]
-    ctx.present = present
-    ctx.save_for_backward(*(named[k] for k in present), output[2])
-    # The scalar arguments the backward takes: delta_scalar .. mode (agg is folded into row_scale).
-    ctx.params = inputs[_LOSS_FWD_ARGS.index("delta_scalar"):_LOSS_FWD_ARGS.index("agg")]
+    ctx.present = [k for k, i in zip(_LOSS_SAVED, _LOSS_SAVED_AT) if inputs[i] is not None]
+    ctx.save_for_backward(*(inputs[i] for i in _LOSS_SAVED_AT if inputs[i] is not None), output[2])
+    ctx.params = inputs[_LOSS_PARAMS]
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.set_materialize_grads(False)   # no zero tensors for the metrics' and row_scale's (absent) gradients
 

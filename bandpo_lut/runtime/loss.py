@@ -76,13 +76,34 @@ def op_inputs(log_prob, old_log_prob, advantages, mask, settings: _settings.Loss
     agg_id)` is the loss and `policy_loss_bwd(grad, row_scale, lp, olp, adv, mask, delta_t, *op_args)` its
     gradient (also used by `bandpo_lut.runtime.fused_linear`, so that both share one reading of the options)."""
     _spec.check_tensors(log_prob, old_log_prob, advantages, mask, settings)
-    eps_low, eps_high = settings.eps()
-    clip, delta = settings.clip, settings.delta
     dtype = _spec.compute_dtype(log_prob, old_log_prob, advantages)
-    # No .detach(): the op's autograd gives old_log_prob, advantages, mask and delta no gradient.
-    lp, olp, adv = log_prob.to(dtype), old_log_prob.to(dtype), advantages.to(dtype)
+    # No .detach(): the op's autograd gives old_log_prob, advantages, mask and delta no gradient. A cast to the
+    # dtype a tensor has is no call at all (Tensor.to would return the tensor itself, after a dispatch).
+    lp = log_prob if log_prob.dtype == dtype else log_prob.to(dtype)
+    olp = old_log_prob if old_log_prob.dtype == dtype else old_log_prob.to(dtype)
+    adv = advantages if advantages.dtype == dtype else advantages.to(dtype)
     if mask is not None and mask.dtype not in (torch.bool, dtype):
         mask = mask.to(dtype)            # bool masks pass as bytes; others are weights
+    delta_t, op_args = _settings_op_args(settings, lp)
+    return lp, olp, adv, mask, delta_t, op_args
+
+
+def _settings_op_args(settings: _settings.LossSettings, lp: torch.Tensor) -> tuple:
+    """(delta_t, op_args) of validated `settings` for a batch on lp's device: the table, a number δ in the ops'
+    form, the clip's ids and numbers. Constants of the settings (frozen) and the device (the table's tensors live
+    for the process): an eager call with real tensors takes them from the settings object's cache, filled at its
+    first call on that device (an eager loop reuses one settings object: `settings.build`'s memo, a module's
+    `_built`). Traced calls (torch.compile, jit.trace, a FakeTensor batch) build them each time: there δ may be
+    symbolic and the table fake."""
+    cacheable = not (torch.compiler.is_compiling() or torch.jit.is_tracing()
+                     or getattr(lp, "fake_mode", None) is not None)
+    if cacheable:
+        cached = settings.__dict__.get(_settings.OP_ARGS_CACHE)
+        hit = cached.get(lp.device) if cached is not None else None
+        if hit is not None:
+            return hit
+    eps_low, eps_high = settings.eps()
+    clip, delta = settings.clip, settings.delta
     # The baseline clips read no table: a placeholder, and any compiled id (the kernels ignore both).
     div = _checks.compiled_divergence(settings.divergence if clip == "band" else "kl")
     meta, coefficients = _cache.table_for(div.name if clip == "band" else None, lp)
@@ -97,7 +118,10 @@ def op_inputs(log_prob, old_log_prob, advantages, mask, settings: _settings.Loss
     op_args = (delta_s, coefficients, list(meta.grid), div.compiled_id, _spec.CLIP_ID[clip],
                    float(eps_low or 0.0), float(eps_high or 0.0), math.inf if max_ratio is None else float(max_ratio),
                    0.0 if dual_clip is None else float(dual_clip), _spec.MODE_ID[settings.mode])
-    return lp, olp, adv, mask, delta_t, op_args
+    if cacheable:
+        # the settings are frozen (no __setattr__): the cache goes into the instance's dictionary directly
+        settings.__dict__.setdefault(_settings.OP_ARGS_CACHE, {})[lp.device] = (delta_t, op_args)
+    return delta_t, op_args
 
 
 def ratio_bounds(p_old: torch.Tensor, *, clip="band", delta=0.05, divergence="kl", max_ratio=None, eps_low=None,

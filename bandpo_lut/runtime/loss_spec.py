@@ -173,5 +173,11 @@ def check_tensors(log_prob, old_log_prob, advantages, mask, settings: LossSettin
 
 def compute_dtype(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor) -> torch.dtype:
     """The arithmetic dtype: the promotion of the three inputs' dtypes, at least float32."""
-    dtype = torch.promote_types(torch.promote_types(log_prob.dtype, old_log_prob.dtype), advantages.dtype)
+    dtype = log_prob.dtype
+    if dtype in _AT_LEAST_FLOAT32 and old_log_prob.dtype == dtype and advantages.dtype == dtype:
+        return dtype      # the usual call: no promotion to ask torch for (each asks its dispatcher)
+    dtype = torch.promote_types(torch.promote_types(dtype, old_log_prob.dtype), advantages.dtype)
     return torch.promote_types(dtype, torch.float32)
+
+
+_AT_LEAST_FLOAT32 = (torch.float32, torch.float64)

@@ -31,6 +31,9 @@ MODES = ("clip", "mask")
 DEFAULT_EPS = {"fixed": (0.2, 0.2), "dcpo": (0.16, 0.2)}
 
 FIELDS = ("delta", "divergence", "max_ratio", "dual_clip", "agg", "clip", "mode", "eps_low", "eps_high")
+# Where the loss keeps, in a settings object's __dict__, the ops' form of these options per device (its eager cache,
+# bandpo_lut.runtime.loss._settings_op_args): device tensors, so never pickled or copied with the object.
+OP_ARGS_CACHE = "_op_args_by_device"
 
 
 def _constant_result(fn):
@@ -80,6 +83,11 @@ class LossSettings:
 
     def __hash__(self):
         return hash(self._key())
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop(OP_ARGS_CACHE, None)
+        return state
 
     def options(self) -> dict:
         """The nine options as keyword arguments of policy_loss."""

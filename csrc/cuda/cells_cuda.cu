@@ -1,5 +1,5 @@
 // The scalar-δ cell cubics on the GPU, collapsed once per (device, table, δ, precision) and cached; the
-// shared-memory check; the resident grid size. See kernel_common.cuh.
+// shared-memory check; the resident grid size (cached per launch configuration). See kernel_common.cuh.
 //
 // Tables live for the whole process (the table store never frees them), so the coefficient pointer (with the
 // table's geometry, against an address reused by another table) is a stable key. Cached arrays are never freed either:
@@ -12,6 +12,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <unordered_map>
 
 #include "cuda/kernel_common.cuh"
 
@@ -122,17 +123,40 @@ size_t shared_cells_bytes(const void* kernel, size_t cells_bytes, size_t static_
 }
 
 int resident_blocks(const void* kernel, int threads, size_t smem, int device) {
-  static int sms[64] = {0};
+  // A pure function of its arguments for the life of the process (a kernel's resources and a device's
+  // multiprocessors do not change), asked at every launch: computed once per (device, kernel, threads, smem) and
+  // thread and kept in a thread_local map, so the hot path takes no lock and makes no CUDA call (the occupancy
+  // query walks the kernel's attributes: microseconds per launch). Each thread that launches fills its own copy;
+  // the few launch configurations of this library keep it small.
+  struct Key {
+    int device;
+    const void* kernel;
+    int threads;
+    size_t smem;
+    bool operator==(const Key& o) const {
+      return device == o.device && kernel == o.kernel && threads == o.threads && smem == o.smem;
+    }
+  };
+  struct Hash {
+    size_t operator()(const Key& k) const {
+      size_t h = std::hash<const void*>()(k.kernel);
+      h ^= std::hash<size_t>()(k.smem) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+      h ^= std::hash<int64_t>()((static_cast<int64_t>(k.device) << 32) | static_cast<uint32_t>(k.threads)) +
+           0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+      return h;
+    }
+  };
+  thread_local std::unordered_map<Key, int, Hash> resident;
+  const Key key{device, kernel, threads, smem};
+  const auto it = resident.find(key);
+  if (it != resident.end()) return it->second;
   int n_sm = 0;
-  if (device >= 0 && device < 64 && sms[device] > 0) {
-    n_sm = sms[device];
-  } else {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, device));
-    if (device >= 0 && device < 64) sms[device] = n_sm;
-  }
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, device));
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-  return (per_sm > 0 ? per_sm : 1) * (n_sm > 0 ? n_sm : 1);
+  const int blocks = (per_sm > 0 ? per_sm : 1) * (n_sm > 0 ? n_sm : 1);
+  resident.emplace(key, blocks);
+  return blocks;
 }
 
 }  // namespace bandpo

@@ -63,7 +63,8 @@ def test_info_text_and_json(capsys):
 BENCH_ROWS = ("torch.clamp(ratio, 0.8, 1.28)", "tv closed form, plain PyTorch", "chi2 closed form, plain PyTorch",
               "bandpo_lut.bounds kl, scalar delta", "bandpo_lut.clip kl, scalar delta",
               "bandpo_lut.clip kl, log_p_old, scalar delta", "bandpo_lut.clip kl, per-token delta",
-              "bandpo_lut.clip tv, scalar delta", "bandpo_lut.clip chi2, scalar delta")
+              "bandpo_lut.clip tv, scalar delta", "bandpo_lut.clip chi2, scalar delta",
+              "bandpo_lut.clip hellinger, scalar delta")
 
 
 def test_bench_prints_one_consistent_table(tmp_path, capsys):
@@ -133,7 +134,15 @@ def test_bench_baselines_compute_what_they_are_compared_with():
                                           (["--threads", "0"], "argument --threads: expected an integer >= 1"),
                                           (["--accuracy-points", "-1"], "argument --accuracy-points: expected"),
                                           (["--device", "nope"], "--device: unknown device 'nope'"),
-                                          (["--device", "cuda:9"], "--device cuda:9")])
+                                          (["--device", "cuda:9"], "--device cuda:9"),
+                                          (["--fused-linear", "--fl-dtype", "float16"],
+                                           "argument --fl-dtype: invalid choice: 'float16'"),
+                                          (["--fused-linear", "--fl-dtype", "bfloat16", "float32", "bfloat16"],
+                                           "--fl-dtype: bfloat16 given more than once"),
+                                          (["--fl-dtype", "bfloat16"], "--fl-dtype: the fused-linear section's "
+                                                                       "options apply with --fused-linear only"),
+                                          (["--fl-vocab", "64", "--fl-chunk", "8"], "--fl-vocab, --fl-chunk: the "
+                                                                                     "fused-linear section's")])
 def test_bench_bad_arguments(bad, message, capsys):
     """argparse-style: usage, one error line naming the argument, exit 2 (before any timing)."""
     import torch
@@ -145,6 +154,70 @@ def test_bench_bad_arguments(bad, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: bandpo-lut bench") and f"bandpo-lut bench: error: {message}" in err, err
+
+
+def test_bench_fused_linear_options_parse_with_their_defaults(monkeypatch):
+    """--fl-dtype takes one or both dtypes, in the order given; the options not given get their documented
+    defaults (the section is stopped before its first child: `run` is replaced by a recorder)."""
+    from bandpo_lut.cli.bench import fused_linear
+
+    seen = []
+    monkeypatch.setattr(fused_linear, "run", lambda args, device: seen.append(args) or 0)
+    assert main(["bench", "--fused-linear", "--fl-dtype", "bfloat16", "float32", "--fl-vocab", "64"]) == 0
+    assert main(["bench", "--fused-linear"]) == 0
+    given, default = seen
+    assert given.fl_dtype == ["bfloat16", "float32"] and given.fl_vocab == [64] and given.fl_tokens == 4096
+    assert (default.fl_dtype, default.fl_tokens, default.fl_hidden, default.fl_vocab, default.fl_repeats,
+            default.fl_chunk) == (["float32"], 4096, 1024, [32768, 131072], 3, None)
+
+
+def test_bench_liger_row_says_why_it_is_missing(monkeypatch):
+    """Liger's row is timed on CUDA only, and only where liger-kernel is installed (found without importing it);
+    otherwise the reason names the device or the package to install."""
+    import importlib.util
+
+    import torch
+
+    from bandpo_lut.cli.bench import fused_linear
+
+    assert "on cpu" in fused_linear.liger_missing(torch.device("cpu"))
+    real_find_spec = importlib.util.find_spec
+    installed = {"liger_kernel": False}
+
+    def find_spec(name, *args):
+        if name == "liger_kernel":
+            return object() if installed[name] else None
+        return real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    why = fused_linear.liger_missing(torch.device("cuda"))
+    assert "not installed" in why and f"pip install liger-kernel=={fused_linear.LIGER_VERSION}" in why, why
+    installed["liger_kernel"] = True
+    assert fused_linear.liger_missing(torch.device("cuda")) is None
+
+
+@pytest.mark.slow
+def test_bench_fused_linear_bfloat16_rows_and_a_failed_liger_child(tmp_path, capsys, monkeypatch):
+    """bfloat16 rows are measured (the unfused path holding float32 logits); a Liger child that fails (here: made
+    to run where liger-kernel cannot, on the CPU) is reported once, in its row's note, and never fails the bench
+    (exit 0; no Liger child for the later rows)."""
+    from bandpo_lut.cli.bench import fused_linear
+
+    monkeypatch.setattr(fused_linear, "liger_missing", lambda device: None)
+    record = tmp_path / "fl.json"
+    argv = ["bench", "--fused-linear", "--fl-tokens", "64", "--fl-hidden", "16", "--fl-vocab", "4096", "--fl-repeats",
+            "1", "--fl-dtype", "bfloat16", "--json", str(record)]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    children = [line for line in err.splitlines() if line.startswith("bench: [")]
+    assert [line.split(", ")[-1].split(" path")[0] for line in children] == ["unfused", "fused", "liger", "unfused",
+                                                                             "fused"], err
+    data = json.loads(record.read_text())
+    assert [(r["dtype"], r["head"]) for r in data["fused_linear_rows"]] == [("bfloat16", "frozen"),
+                                                                            ("bfloat16", "trained")]
+    for row in data["fused_linear_rows"]:
+        assert row["unfused_mb"] >= 64 * 4096 * 4 / 2 ** 20 and row["fused_s"] > 0 and row["liger_s"] is None, row
+    assert data["liger_missing"].startswith("its child failed: ") and data["liger_missing"] in out, out
 
 
 # --- demo, plot, generate, verify ----------------------------------------------------------------------------------

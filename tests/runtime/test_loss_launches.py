@@ -154,3 +154,58 @@ def test_keyword_options_validated_once(monkeypatch):
     bandpo_lut.policy_loss(lp, olp, adv, mask, max_ratio=1)
     with pytest.raises(ValueError, match="max_ratio"):
         bandpo_lut.policy_loss(lp, olp, adv, mask, max_ratio=True)
+
+
+def test_op_arguments_formed_once_per_settings_and_device(monkeypatch):
+    """An eager loop with one settings object (the same keywords every step, or a module) reads the table and forms
+    the ops' arguments once, on its first call: later calls take them from the settings object. The values stay
+    the specification's, also for a tensor δ changed in place between steps (a δ schedule's buffer). Before: the
+    table was looked up and the arguments formed on every call."""
+    from bandpo_lut.runtime import settings as settings_module
+    from bandpo_lut.runtime import table_cache
+
+    looked_up = []
+    real = table_cache.table_for
+    monkeypatch.setattr(table_cache, "table_for", lambda div, prob: (looked_up.append(div), real(div, prob))[1])
+    monkeypatch.setattr(settings_module, "_BUILT", {}, raising=False)
+    lp, olp, adv, mask = batch(2, 8)
+    for _ in range(3):
+        loss, _ = bandpo_lut.policy_loss(lp, olp, adv, mask, delta=0.06, dual_clip=3.0)
+    assert looked_up == ["kl"]
+    torch.testing.assert_close(loss, spec.policy_loss(lp, olp, adv, mask, delta=0.06, dual_clip=3.0)[0],
+                               rtol=1e-5, atol=1e-7)
+    delta = torch.full((2, 1), 0.05)
+    module = bandpo_lut.BandPolicyLoss(delta=delta, divergence="tv")
+    for value in (0.05, 0.1, 0.2):
+        module.delta.fill_(value)
+        loss, metrics = module(lp, olp, adv, mask)
+        ref, ref_metrics = spec.policy_loss(lp, olp, adv, mask, delta=torch.full((2, 1), value), divergence="tv")
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(metrics["band_width_mean"], ref_metrics["band_width_mean"], rtol=1e-5, atol=1e-6)
+    assert looked_up == ["kl", "tv"]
+
+
+def test_cached_op_arguments_stay_out_of_pickles_and_fake_tensor_calls():
+    """The cache holds device tensors (the table): a pickled or copied settings object carries none, and equals and
+    computes as the original. A first call on FakeTensors (tracing) caches nothing, so a later eager call reads the
+    real table, not the tracing's fake copy."""
+    import copy
+    import pickle
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bandpo_lut.runtime import settings as settings_module
+
+    lp, olp, adv, mask = batch(3, 16)
+    settings = bandpo_lut.LossSettings(delta=0.08, max_ratio=10.0)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (lp, olp, adv, mask)]
+        bandpo_lut.policy_loss(*fake, settings=settings)
+    assert settings_module.OP_ARGS_CACHE not in settings.__dict__
+    loss, _ = bandpo_lut.policy_loss(lp, olp, adv, mask, settings=settings)
+    assert settings_module.OP_ARGS_CACHE in settings.__dict__
+    ref = spec.policy_loss(lp, olp, adv, mask, delta=0.08, max_ratio=10.0)[0]
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-7)
+    for clone in (pickle.loads(pickle.dumps(settings)), copy.deepcopy(settings), copy.copy(settings)):
+        assert settings_module.OP_ARGS_CACHE not in clone.__dict__ and clone == settings
+        assert torch.equal(bandpo_lut.policy_loss(lp, olp, adv, mask, settings=clone)[0], loss)

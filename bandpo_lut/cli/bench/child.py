@@ -5,8 +5,8 @@ Prints one JSON line:
   loss [kind, batch, tokens]              the peak extra memory (MB) of one forward+backward of the fused
                                           (`policy_loss`) or the eager PPO loss (CPU), after a small warm-up
   fused_linear [kind, tokens, hidden,     [peak extra bytes, median seconds] of the unfused or the fused-linear
-                vocab, train, repeats,    loss: one warm-up step, one measured step for memory, then `repeats`
-                chunk, device]            timed steps
+                vocab, train, repeats,    loss or Liger's (kind "liger"), hidden and head in `dtype`: one warm-up
+                chunk, device, dtype]     step, one measured step for memory, then `repeats` timed steps
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def loss_memory(kind: str, batch: int, tokens: int) -> float:
     return peak_extra_bytes(lambda: _loss_step(kind, b), cpu) / 2 ** 20
 
 
-def fused_linear(kind, tokens, hidden, vocab, train, repeats, chunk, dev) -> list:
-    from bandpo_lut.cli.bench.fused_linear import make_inputs, step
+def fused_linear(kind, tokens, hidden, vocab, train, repeats, chunk, dev, dtype="float32") -> list:
+    from bandpo_lut.cli.bench.fused_linear import liger_inputs, liger_loss, make_inputs, step
 
     device = torch.device(dev)
 
@@ -38,14 +38,17 @@ def fused_linear(kind, tokens, hidden, vocab, train, repeats, chunk, dev) -> lis
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    x = make_inputs(tokens, hidden, vocab, device, train)
-    step(kind, x, chunk)            # warm-up (also allocates the gradients)
+    x = make_inputs(tokens, hidden, vocab, device, train, dtype=dtype)
+    liger = None
+    if kind == "liger":
+        liger, x = liger_loss(), liger_inputs(x)
+    step(kind, x, chunk, liger)     # warm-up (also allocates the gradients; Liger compiles its loss here)
     x[0].grad = x[1].grad = None
-    peak = peak_extra_bytes(lambda: step(kind, x, chunk), device)
+    peak = peak_extra_bytes(lambda: step(kind, x, chunk, liger), device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        step(kind, x, chunk)
+        step(kind, x, chunk, liger)
         sync()
         times.append(time.perf_counter() - t0)
     return [peak, statistics.median(times)]

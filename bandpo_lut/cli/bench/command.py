@@ -5,9 +5,10 @@ Rows (float32, N = 2**22 elements by default, p_old drawn like LM token probabil
   tv / chi2 closed form, plain PyTorch      what a hand-written band costs without this package
   bisection, 50 steps (published approach)  a vectorised 50-step bisection of g_f for both KL bounds
                                             (without the published code's per-step host syncs)
-  bandpo_lut.clip, scalar δ / per-token δ   this package (kl, and tv/chi2 closed forms)
+  bandpo_lut.clip, scalar δ / per-token δ   this package (kl, and tv/chi2/hellinger closed forms)
   fused loss vs canonical eager PPO loss    (batch, T) = (64, 8192), forward + backward, with metrics
-With --fused-linear, only the section of `bandpo_lut.cli.bench.fused_linear` (unfused vs fused_linear_policy_loss).
+With --fused-linear, only the section of `bandpo_lut.cli.bench.fused_linear` (unfused vs fused_linear_policy_loss,
+in float32 and/or bfloat16 (--fl-dtype), and Liger's fused-linear GRPO loss on CUDA where liger-kernel is installed).
 Then the accuracy of `clip`'s bounds against mpmath at random points, and (CPU) the peak extra memory of
 the fused and the eager loss, measured in fresh subprocesses from the resident-set high-water mark.
 
@@ -59,10 +60,11 @@ def add_arguments(parser):
 
 
 def _check_args(args):
-    """The checks argparse cannot make alone (the device, the --json path); raises UsageError before any
-    timing starts. Returns the torch.device."""
+    """The checks argparse cannot make alone (the fused-linear section's options, the device, the --json path);
+    raises UsageError before any timing starts. Returns the torch.device."""
     from bandpo_lut.cli.args import UsageError, check_memory
 
+    bench_fused_linear.check_args(args)
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -122,6 +124,7 @@ ROW_BYTES = {
     "bandpo_lut.clip kl, per-token delta": 16,
     "bandpo_lut.clip tv, scalar delta": 12,
     "bandpo_lut.clip chi2, scalar delta": 12,
+    "bandpo_lut.clip hellinger, scalar delta": 12,
 }
 
 
@@ -273,7 +276,7 @@ def run(args) -> int:
     rows = []
     memory = device.type == "cpu" and not args.skip_memory
     # the clip rows, the copy, the two loss rows, the accuracy rows, the two memory rows
-    total = 9 + (not args.skip_bisection) + 1 + 2 + bool(args.accuracy_points) + 2 * memory
+    total = 10 + (not args.skip_bisection) + 1 + 2 + bool(args.accuracy_points) + 2 * memory
     done = 0
 
     def advance(what, seconds=None):
@@ -300,6 +303,7 @@ def run(args) -> int:
     row("bandpo_lut.clip kl, per-token delta", lambda: bandpo_lut.clip(ratio, p, delta_t))
     row("bandpo_lut.clip tv, scalar delta", lambda: bandpo_lut.clip(ratio, p, 0.05, "tv"))
     row("bandpo_lut.clip chi2, scalar delta", lambda: bandpo_lut.clip(ratio, p, 0.05, "chi2"))
+    row("bandpo_lut.clip hellinger, scalar delta", lambda: bandpo_lut.clip(ratio, p, 0.05, "hellinger"))
     # The bandwidth unit: a device-to-device copy of one float32 tensor (read + write, 8 bytes per element).
     copy_t = advance("ratio.clone() (the bandwidth unit)", timeit(lambda: ratio.clone(), device, reps))
     batch = _loss_batch(args.batch, args.tokens, device)
