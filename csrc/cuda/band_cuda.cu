@@ -27,6 +27,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cmath>
+
 #include "band_element.h"
 #include "band_host.h"
 #include "cuda/kernel_common.cuh"
@@ -63,12 +65,27 @@ struct Slots {
   static constexpr int delta = 3;
 };
 
+// grid_consts(band) as device code computes it, for the element kernels to take as an argument: built there, its
+// values would be converted from BandParams' double fields again for every element (nvcc rematerialises them). The
+// one expression that could round differently on the host is an axis' last node x0 + (n - 1)·step: nvcc contracts
+// it into one fused multiply-add (fma.rn.f64 in the PTX), so it is taken by std::fma here; the rest are
+// conversions and a quotient, correctly rounded on both sides.
+template <typename acc_t>
+GridConsts<acc_t> device_grid_consts(const BandParams& band) {
+  const TableView& tb = band.table;
+  GridConsts<acc_t> g = grid_consts<acc_t>(band);
+  g.t.hi = static_cast<acc_t>(std::fma(static_cast<double>(tb.nt - 1), tb.t_step, tb.t_min));
+  g.s.hi = static_cast<acc_t>(std::fma(static_cast<double>(tb.ns - 1), tb.s_step, tb.s_min));
+  return g;
+}
+
 // One element: the bounds (CLIP false: out0 = lo, out1 = up) or the clipped ratio (out0), in acc_t.
 template <typename acc_t, bool CLIP, bool PER_TOKEN, DivPath PATH, ProbInput IN>
-__device__ __forceinline__ void band_value(const BandParams& band, const DeltaConsts<acc_t>& c, acc_t x, acc_t d,
-                                           acc_t r, acc_t& out0, acc_t& out1) {
+__device__ __forceinline__ void band_value(const BandParams& band, const GridConsts<acc_t>& g,
+                                           const DeltaConsts<acc_t>& c, acc_t x, acc_t d, acc_t r, acc_t& out0,
+                                           acc_t& out1) {
   acc_t l, u;
-  band_element<acc_t, PER_TOKEN, PATH, IN>(band, c, x, d, l, u);
+  band_element<acc_t, PER_TOKEN, PATH, IN>(band, g, c, x, d, l, u);
   if (CLIP) {
     out0 = clamp_like_torch<acc_t>(r, l, u);
   } else {
@@ -79,7 +96,8 @@ __device__ __forceinline__ void band_value(const BandParams& band, const DeltaCo
 
 template <typename scalar_t, bool CLIP, int CELLS, DivPath PATH, ProbInput IN>
 __global__ void __launch_bounds__(kThreads)
-    band_dense_kernel(BandParams band, const void* cells_src, int n_cells, Pointers io, int64_t numel) {
+    band_dense_kernel(BandParams band, GridConsts<at::opmath_type<scalar_t>> g, const void* cells_src, int n_cells,
+                      Pointers io, int64_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool PER_TOKEN = per_token_mode(CELLS);
   constexpr int V = vec_size<scalar_t>();
@@ -103,7 +121,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         acc_t a0, a1 = acc_t(0);
-        band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, c, static_cast<acc_t>(xv.v[k]),
+        band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, g, c, static_cast<acc_t>(xv.v[k]),
                                                      PER_TOKEN ? static_cast<acc_t>(dv.v[k]) : c.delta,
                                                      CLIP ? static_cast<acc_t>(rv.v[k]) : acc_t(0), a0, a1);
         o0.v[k] = static_cast<scalar_t>(a0);
@@ -114,7 +132,7 @@ __global__ void __launch_bounds__(kThreads)
     } else {
       for (int64_t j = i; j < numel; ++j) {  // the tail: fewer than V elements
         acc_t a0, a1 = acc_t(0);
-        band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, c, static_cast<acc_t>(prob[j]),
+        band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, g, c, static_cast<acc_t>(prob[j]),
                                                      PER_TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
                                                      CLIP ? static_cast<acc_t>(ratio[j]) : acc_t(0), a0, a1);
         out0[j] = static_cast<scalar_t>(a0);
@@ -125,8 +143,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename scalar_t, bool CLIP, int CELLS, DivPath PATH, ProbInput IN>
-__global__ void __launch_bounds__(kThreads) band_strided_kernel(BandParams band, const void* cells_src, int n_cells,
-                                                                Pointers io, Offsets offsets, uint32_t numel) {
+__global__ void __launch_bounds__(kThreads)
+    band_strided_kernel(BandParams band, GridConsts<at::opmath_type<scalar_t>> g, const void* cells_src, int n_cells,
+                        Pointers io, Offsets offsets, uint32_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool PER_TOKEN = per_token_mode(CELLS);
   using S = Slots<CLIP>;
@@ -141,7 +160,7 @@ __global__ void __launch_bounds__(kThreads) band_strided_kernel(BandParams band,
     const acc_t r =
         CLIP ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(io.data[S::ratio] + off[S::ratio])) : acc_t(0);
     acc_t a0, a1 = acc_t(0);
-    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, c, x, d, r, a0, a1);
+    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, g, c, x, d, r, a0, a1);
     *reinterpret_cast<scalar_t*>(io.data[0] + off[0]) = static_cast<scalar_t>(a0);
     if (!CLIP) *reinterpret_cast<scalar_t*>(io.data[1] + off[1]) = static_cast<scalar_t>(a1);
   }
@@ -174,13 +193,14 @@ void launch_mode(at::TensorIteratorBase& iter, const BandParams& band, const Cel
                  cudaStream_t stream) {
   constexpr int V = vec_size<scalar_t>();
   const size_t smem = CELLS == kCellsShared ? plan.smem : 0;
+  const GridConsts<at::opmath_type<scalar_t>> g = device_grid_consts<at::opmath_type<scalar_t>>(band);
   if (dense_and_aligned(iter, V * sizeof(scalar_t))) {
     const auto kernel = band_dense_kernel<scalar_t, CLIP, CELLS, PATH, IN>;
     const int64_t needed =
         (iter.numel() + static_cast<int64_t>(kThreads) * V - 1) / (static_cast<int64_t>(kThreads) * V);
     const int blocks =
         static_cast<int>(std::min<int64_t>(needed, resident_blocks((const void*)kernel, kThreads, smem, device)));
-    kernel<<<blocks, kThreads, smem, stream>>>(band, plan.src, plan.n_cells, pointers_of(iter), iter.numel());
+    kernel<<<blocks, kThreads, smem, stream>>>(band, g, plan.src, plan.n_cells, pointers_of(iter), iter.numel());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
@@ -189,7 +209,7 @@ void launch_mode(at::TensorIteratorBase& iter, const BandParams& band, const Cel
   for (auto& sub : iter.with_32bit_indexing()) {  // one sub-iterator unless there are 2^31 or more elements
     const int64_t needed = (sub.numel() + kThreads - 1) / kThreads;
     const int blocks = static_cast<int>(std::min<int64_t>(needed, resident));
-    kernel<<<blocks, kThreads, smem, stream>>>(band, plan.src, plan.n_cells, pointers_of(sub), offsets_of(sub),
+    kernel<<<blocks, kThreads, smem, stream>>>(band, g, plan.src, plan.n_cells, pointers_of(sub), offsets_of(sub),
                                                static_cast<uint32_t>(sub.numel()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -273,6 +293,7 @@ std::tuple<at::Tensor, at::Tensor> bounds_cuda(const at::Tensor& prob, const c10
     it = make_band_iter("bounds", nullptr, keep.prob, keep.delta, table, grid, divergence, max_ratio);
   }
   const BandParams band = make_params(table, grid, divergence, log_input, d, max_ratio);
+  check_table_offsets("bounds", band.table);
   launch<false>(it.iter, band, d.per_token_mode(), prob.scalar_type(), prob.get_device());
   return {it.lo, it.up};
 }
@@ -293,6 +314,7 @@ at::Tensor clip_cuda(const at::Tensor& ratio, const at::Tensor& prob, const c10:
     it = make_band_iter("clip", &keep.ratio, keep.prob, keep.delta, table, grid, divergence, max_ratio);
   }
   const BandParams band = make_params(table, grid, divergence, log_input, d, max_ratio);
+  check_table_offsets("clip", band.table);
   launch<true>(it.iter, band, d.per_token_mode(), prob.scalar_type(), prob.get_device());
   return it.out;
 }

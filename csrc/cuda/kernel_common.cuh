@@ -8,6 +8,9 @@
 #include <ATen/ATen.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <limits>
+
 #include "bandpo_math.h"
 
 namespace bandpo {
@@ -37,6 +40,14 @@ const void* cached_cells(const BandParams& band, bool as_double, cudaStream_t st
 // to request, opting the kernel in above the 48 KB default where the device allows, or 0 when they do not
 // fit (use kCellsGlobal). The one place where shared memory is checked.
 size_t shared_cells_bytes(const void* kernel, size_t cells_bytes, size_t static_bytes, int device);
+
+// The element kernels address the table (a per-token δ's tensor-product patch, bandpo_math.h spline2d_cells) with
+// 32-bit offsets: every CUDA entry point refuses a table of 2^31 floats or more (shipped tables hold well under 2^20).
+inline void check_table_offsets(const char* op, const TableView& tb) {
+  const int64_t entries = int64_t{2} * (tb.nt + 2) * (tb.ns + 2);
+  TORCH_CHECK(entries <= std::numeric_limits<int32_t>::max(), op, ": the table has ", entries,
+              " entries; the CUDA kernels address at most 2^31 - 1");
+}
 
 // Blocks of `threads` that are resident at once on the device for `kernel` with `smem` dynamic bytes
 // (grid-stride kernels launch no more than this: one wave).

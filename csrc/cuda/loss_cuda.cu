@@ -319,6 +319,7 @@ int launch_tokens_mask(const LossParams& params, const CellsPlan& plan, const Lo
 
 // The forward on the device (loss_fwd_entry, loss_host.h, has checked the inputs and taken the device guard).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_forward(const LossTensors& inputs, const LossParams& params) {
+  check_table_offsets("policy_loss", params.band.table);
   const at::Tensor& lp = inputs.lp;
   const int device = lp.get_device();
   const Tiles tiles = make_tiles(lp.size(0), lp.size(1));
@@ -399,6 +400,7 @@ void launch_grad(const LossParams& params, const CellsPlan& plan, const LossInpu
 // The backward on the device (after loss_bwd_entry's checks, under its device guard).
 at::Tensor loss_backward(const at::Tensor& grad_loss, const at::Tensor& row_scale, const LossTensors& inputs,
                          const LossParams& params) {
+  check_table_offsets("policy_loss", params.band.table);
   const at::Tensor& lp = inputs.lp;
   const at::Tensor g = grad_loss.reshape({1}).to(at::kDouble);  // read on the device: no synchronisation
   const at::Tensor scale = row_scale.contiguous();
