@@ -352,7 +352,7 @@ BANDPO_HD void kl_finish_branched(T p, T one_minus_p, T t, T q_tab, T kappa, T d
   const T tmax = t_axis.hi, tmin = t_axis.lo;
   const T q = q_tab < p ? p : (q_tab > T(1) ? T(1) : q_tab);
   const T scale = sizeof(T) == 4 ? T(16777216.0) : T(1152921504606846976.0);  // as in kl_finish
-  const T inv_ps = T(1) / (p * scale);
+  const T inv_ps = rcp_scaled_prob(p * scale);                                // T(1) / (p * scale), the same bits
   const T inv_p = inv_ps * scale;
   up = (q * scale) * inv_ps;
   lo = exp_any(-(delta * inv_p) * kappa);
