@@ -243,8 +243,13 @@ BANDPO_HD void prob_terms_t(T x, T& p, T& one_minus_p, T& t, T exp_x = T(0)) {
     t = log_any(x / one_minus_p);
     p = ((x < T(0)) | (x > T(1))) ? nan : p;
   }
+#if !defined(__CUDA_ARCH__)
   one_minus_p = (p != p) ? nan : one_minus_p;
   t = (p != p) ? nan : t;
+#endif
+  // On the GPU both selects are left out: t is NaN already wherever p is (the logarithm of a NaN or of a negative
+  // number: x/(1-x) < 0 for x outside [0, 1], 1 - p = -expm1(x) < 0 for x above the rounding allowance), and
+  // 1 - p is read only beyond the grid (kl_tails), where t is a number and p therefore is one.
 }
 
 template <typename T>
