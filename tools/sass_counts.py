@@ -11,7 +11,8 @@ minute per file), disassembles them with `cuobjdump -sass` and prints, for the f
   * total: every SASS instruction of the kernel (prologue, loops, epilogue, out-of-line subroutines);
   * loop:  the static size of its element loop, found as the widest backward branch (`BRA` to a lower
            address; the loop is the range from its target to the branch), minus any loop nested inside it
-           (the dense kernel's scalar remainder, fewer than 4 elements, reported as `inner`);
+           (reported as `inner`; the dense band kernel's scalar remainder, fewer than 4 elements, runs after
+           its loop and is not counted);
   * path:  the instructions on the heaviest way once through that loop body (every branch may go either
            way; nested loops weigh 0): an upper bound of what one iteration issues, whichever branches its
            elements take. Code a CALL runs (the IEEE division's slow path, out-of-line tails) lies outside;

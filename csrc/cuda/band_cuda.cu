@@ -111,34 +111,34 @@ __global__ void __launch_bounds__(kThreads)
   scalar_t* out0 = reinterpret_cast<scalar_t*>(io.data[0]);
   scalar_t* out1 = reinterpret_cast<scalar_t*>(io.data[1]);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * V;
-  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V; i < numel; i += stride) {
-    if (i + V <= numel) {
-      // Every load of the step first (kVec elements in flight per operand), then the math, then the stores.
-      const Vec<scalar_t, V> xv = *reinterpret_cast<const Vec<scalar_t, V>*>(prob + i);
-      Vec<scalar_t, V> rv{}, dv{}, o0, o1;
-      if (CLIP) rv = *reinterpret_cast<const Vec<scalar_t, V>*>(ratio + i);
-      if (PER_TOKEN) dv = *reinterpret_cast<const Vec<scalar_t, V>*>(delta + i);
+  const int64_t whole = numel - numel % V;  // the elements of whole steps: i < whole is i + V <= numel (i % V == 0)
+  int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V;
+  for (; i < whole; i += stride) {
+    // Every load of the step first (kVec elements in flight per operand), then the math, then the stores.
+    const Vec<scalar_t, V> xv = *reinterpret_cast<const Vec<scalar_t, V>*>(prob + i);
+    Vec<scalar_t, V> rv{}, dv{}, o0, o1;
+    if (CLIP) rv = *reinterpret_cast<const Vec<scalar_t, V>*>(ratio + i);
+    if (PER_TOKEN) dv = *reinterpret_cast<const Vec<scalar_t, V>*>(delta + i);
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        acc_t a0, a1 = acc_t(0);
-        band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, g, c, static_cast<acc_t>(xv.v[k]),
-                                                     PER_TOKEN ? static_cast<acc_t>(dv.v[k]) : c.delta,
-                                                     CLIP ? static_cast<acc_t>(rv.v[k]) : acc_t(0), a0, a1);
-        o0.v[k] = static_cast<scalar_t>(a0);
-        o1.v[k] = static_cast<scalar_t>(a1);
-      }
-      *reinterpret_cast<Vec<scalar_t, V>*>(out0 + i) = o0;
-      if (!CLIP) *reinterpret_cast<Vec<scalar_t, V>*>(out1 + i) = o1;
-    } else {
-      for (int64_t j = i; j < numel; ++j) {  // the tail: fewer than V elements
-        acc_t a0, a1 = acc_t(0);
-        band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, g, c, static_cast<acc_t>(prob[j]),
-                                                     PER_TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
-                                                     CLIP ? static_cast<acc_t>(ratio[j]) : acc_t(0), a0, a1);
-        out0[j] = static_cast<scalar_t>(a0);
-        if (!CLIP) out1[j] = static_cast<scalar_t>(a1);
-      }
+    for (int k = 0; k < V; ++k) {
+      acc_t a0, a1 = acc_t(0);
+      band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, g, c, static_cast<acc_t>(xv.v[k]),
+                                                   PER_TOKEN ? static_cast<acc_t>(dv.v[k]) : c.delta,
+                                                   CLIP ? static_cast<acc_t>(rv.v[k]) : acc_t(0), a0, a1);
+      o0.v[k] = static_cast<scalar_t>(a0);
+      o1.v[k] = static_cast<scalar_t>(a1);
     }
+    *reinterpret_cast<Vec<scalar_t, V>*>(out0 + i) = o0;
+    if (!CLIP) *reinterpret_cast<Vec<scalar_t, V>*>(out1 + i) = o1;
+  }
+  // The tail, fewer than V elements: the one thread whose next step starts at `whole`.
+  for (int64_t j = i; j < numel; ++j) {
+    acc_t a0, a1 = acc_t(0);
+    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, g, c, static_cast<acc_t>(prob[j]),
+                                                 PER_TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
+                                                 CLIP ? static_cast<acc_t>(ratio[j]) : acc_t(0), a0, a1);
+    out0[j] = static_cast<scalar_t>(a0);
+    if (!CLIP) out1[j] = static_cast<scalar_t>(a1);
   }
 }
 
