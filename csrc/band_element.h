@@ -31,6 +31,7 @@ struct GridConsts {
   AxisConsts<acc_t> t, s;   // the t and s axes
   DeltaRange<acc_t> delta;  // a per-token δ's range
   acc_t max_ratio;          // the cap of the upper bound
+  acc_t invalid;            // what an invalid per-token δ gives on the GPU: 0/0 divided on the device (zero_by_zero)
 };
 
 template <typename acc_t>
@@ -38,7 +39,7 @@ BANDPO_HD GridConsts<acc_t> grid_consts(const BandParams& band) {
   const TableView& tb = band.table;
   return GridConsts<acc_t>{axis_consts<acc_t>(tb.t_min, tb.t_step, tb.nt),
                            axis_consts<acc_t>(tb.s_min, tb.s_step, tb.ns), delta_range<acc_t>(tb),
-                           static_cast<acc_t>(band.max_ratio)};
+                           static_cast<acc_t>(band.max_ratio), zero_by_zero(acc_t(0))};
 }
 
 // Float64 inputs: beyond the grid the asymptotic tail values are refined by the exact fixed points
@@ -176,7 +177,11 @@ BANDPO_HD void band_element(const BandParams& band, const GridConsts<acc_t>& g, 
     closed_form<acc_t, PER_TOKEN>(band, x, delta_given, lo, up);
   }
   if (!ok) {
+#if defined(__CUDA_ARCH__)
+    lo = up = g.invalid;  // the runtime 0/0 once per thread (band kernels) instead of one division per element
+#else
     lo = up = acc_t(0) / acc_t(0);
+#endif
   }
   const acc_t cap = g.max_ratio;
   up = up > cap ? cap : up;

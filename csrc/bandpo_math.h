@@ -575,7 +575,8 @@ BANDPO_HD bool delta_valid(const TableView& tb, T d) {
 // A per-token δ within the range as its dtype rounds it, moved onto the range it stands for.
 template <typename T>
 BANDPO_HD T delta_in_range(const DeltaRange<T>& r, T d) {
-  return d < r.lo ? r.lo : (d > r.hi ? r.hi : d);
+  const T below_hi = d > r.hi ? r.hi : d;  // two selects, not a nested one: no branch on the GPU
+  return d < r.lo ? r.lo : below_hi;
 }
 
 template <typename T>

@@ -149,6 +149,27 @@ BANDPO_HD float rcp_scaled_prob(float a) {
 }
 BANDPO_HD double rcp_scaled_prob(double a) { return 1.0 / a; }
 
+// 0/0: on the GPU an IEEE division of +0 by +0 at run time (nvcc leaves `T(0) / T(0)` to run time where it does not
+// fold it, and the device's NaN is what that division returns); on the host the same expression as ever.
+BANDPO_HD float zero_by_zero(float zero) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("div.rn.f32 %0, %1, %1;" : "=f"(r) : "f"(zero));
+  return r;
+#else
+  return zero / zero;
+#endif
+}
+BANDPO_HD double zero_by_zero(double zero) {
+#if defined(__CUDA_ARCH__)
+  double r;
+  asm("div.rn.f64 %0, %1, %1;" : "=d"(r) : "d"(zero));
+  return r;
+#else
+  return zero / zero;
+#endif
+}
+
 BANDPO_HD double exp_normal_any(double x) { return ::exp(x); }
 BANDPO_HD float exp_normal_any(float x) { return exp_f32_normal(x); }
 

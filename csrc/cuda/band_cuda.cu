@@ -105,6 +105,7 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   set_cells<acc_t>(band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
   const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(band.delta));
+  g.invalid = zero_by_zero(acc_t(0));  // the device's 0/0, not the host's (device_grid_consts)
   const scalar_t* prob = reinterpret_cast<const scalar_t*>(io.data[S::prob]);
   const scalar_t* ratio = reinterpret_cast<const scalar_t*>(io.data[S::ratio]);
   const scalar_t* delta = reinterpret_cast<const scalar_t*>(io.data[S::delta]);
@@ -152,6 +153,7 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   set_cells<acc_t>(band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
   const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(band.delta));
+  g.invalid = zero_by_zero(acc_t(0));  // the device's 0/0, not the host's (device_grid_consts)
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += gridDim.x * blockDim.x) {
     const auto off = offsets.get(i);  // byte offsets, one per operand
     const acc_t x = static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(io.data[S::prob] + off[S::prob]));
