@@ -183,12 +183,16 @@ BANDPO_HD void spline2d_cells(const TableView& tb, int it, T ut, int js, T us, T
   using Index = std::int64_t;
 #endif
   const Index ncol = tb.ns + 2;
+  // Row (it + a, js) of plane b is coef + b·(nt + 2)·ncol + (it + a)·ncol + js: one pointer for the patch's first
+  // row, and offsets a·ncol and (nt + 2)·ncol that do not depend on the element (the GPU hoists them out of its
+  // element loop instead of forming an index product and a widening per row).
+  const float* const first = tb.coef + static_cast<Index>(it) * ncol + js;
+  const Index plane = static_cast<Index>(tb.nt + 2) * ncol;
   T acc[2];
   for (int b = 0; b < 2; ++b) {
-    const float* base = tb.coef + static_cast<Index>(b) * (tb.nt + 2) * ncol;
     T sum = T(0);
     for (int a = 0; a < 4; ++a) {
-      const float* row = base + static_cast<Index>(it + a) * ncol + js;
+      const float* row = first + (b * plane + a * ncol);
       sum += wt[a] * (ws[0] * T(load_ro(row)) + ws[1] * T(load_ro(row + 1)) + ws[2] * T(load_ro(row + 2)) +
                       ws[3] * T(load_ro(row + 3)));
     }
