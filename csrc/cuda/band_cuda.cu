@@ -27,8 +27,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cmath>
-
 #include "band_element.h"
 #include "band_host.h"
 #include "cuda/kernel_common.cuh"
@@ -64,20 +62,6 @@ struct Slots {
   static constexpr int prob = CLIP ? 2 : 2;  // bounds: lo, up, prob; clip: out, ratio, prob
   static constexpr int delta = 3;
 };
-
-// grid_consts(band) as device code computes it, for the element kernels to take as an argument: built there, its
-// values would be converted from BandParams' double fields again for every element (nvcc rematerialises them). The
-// one expression that could round differently on the host is an axis' last node x0 + (n - 1)·step: nvcc contracts
-// it into one fused multiply-add (fma.rn.f64 in the PTX), so it is taken by std::fma here; the rest are
-// conversions and a quotient, correctly rounded on both sides.
-template <typename acc_t>
-GridConsts<acc_t> device_grid_consts(const BandParams& band) {
-  const TableView& tb = band.table;
-  GridConsts<acc_t> g = grid_consts<acc_t>(band);
-  g.t.hi = static_cast<acc_t>(std::fma(static_cast<double>(tb.nt - 1), tb.t_step, tb.t_min));
-  g.s.hi = static_cast<acc_t>(std::fma(static_cast<double>(tb.ns - 1), tb.s_step, tb.s_min));
-  return g;
-}
 
 // One element: the bounds (CLIP false: out0 = lo, out1 = up) or the clipped ratio (out0), in acc_t.
 template <typename acc_t, bool CLIP, bool PER_TOKEN, DivPath PATH, ProbInput IN>

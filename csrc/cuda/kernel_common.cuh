@@ -8,10 +8,11 @@
 #include <ATen/ATen.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
-#include "bandpo_math.h"
+#include "band_element.h"
 
 namespace bandpo {
 
@@ -47,6 +48,20 @@ inline void check_table_offsets(const char* op, const TableView& tb) {
   const int64_t entries = int64_t{2} * (tb.nt + 2) * (tb.ns + 2);
   TORCH_CHECK(entries <= std::numeric_limits<int32_t>::max(), op, ": the table has ", entries,
               " entries; the CUDA kernels address at most 2^31 - 1");
+}
+
+// grid_consts(band) as device code computes it, for the element kernels (band and loss) to take as an argument: built
+// there, its values would be converted from BandParams' double fields again for every element (nvcc rematerialises
+// them). The one expression that could round differently on the host is an axis' last node x0 + (n - 1)·step: nvcc
+// contracts it into one fused multiply-add (fma.rn.f64 in the PTX), so it is taken by std::fma here; the rest are
+// conversions and a quotient, correctly rounded on both sides.
+template <typename acc_t>
+GridConsts<acc_t> device_grid_consts(const BandParams& band) {
+  const TableView& tb = band.table;
+  GridConsts<acc_t> g = grid_consts<acc_t>(band);
+  g.t.hi = static_cast<acc_t>(std::fma(static_cast<double>(tb.nt - 1), tb.t_step, tb.t_min));
+  g.s.hi = static_cast<acc_t>(std::fma(static_cast<double>(tb.ns - 1), tb.s_step, tb.s_min));
+  return g;
 }
 
 // Blocks of `threads` that are resident at once on the device for `kernel` with `smem` dynamic bytes
