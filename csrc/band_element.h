@@ -23,6 +23,25 @@ BANDPO_HD const double* cell_table<double>(const BandParams& band) {
   return band.cell_d;
 }
 
+// The table's grid and δ range and the cap in the arithmetic type: what the element code reads of BandParams'
+// double fields, converted once. The GPU kernels build it once per thread (their compilers would convert the
+// fields again for every element); band_element without it builds it per call.
+template <typename acc_t>
+struct GridConsts {
+  AxisConsts<acc_t> t, s;   // the t and s axes
+  DeltaRange<acc_t> delta;  // a per-token δ's range
+  acc_t max_ratio;          // the cap of the upper bound
+  acc_t invalid;            // what an invalid per-token δ gives on the GPU: 0/0 divided on the device (zero_by_zero)
+};
+
+template <typename acc_t>
+BANDPO_HD GridConsts<acc_t> grid_consts(const BandParams& band) {
+  const TableView& tb = band.table;
+  return GridConsts<acc_t>{axis_consts<acc_t>(tb.t_min, tb.t_step, tb.nt),
+                           axis_consts<acc_t>(tb.s_min, tb.s_step, tb.ns), delta_range<acc_t>(tb),
+                           static_cast<acc_t>(band.max_ratio), zero_by_zero(acc_t(0))};
+}
+
 // Float64 inputs: beyond the grid the asymptotic tail values are refined by the exact fixed points
 // (single precision needs no refinement: the asymptotic forms are already below its rounding).
 template <typename acc_t>
@@ -38,16 +57,16 @@ BANDPO_HD void kl_refine_tails(const TableView& tb, acc_t p, acc_t one_minus_p, 
 // KL with a scalar δ: the hot path (one log, one exp, two cubics per element). LOG: x is log p; HAVE_EXP: exp_x is
 // exp_any(x) (see prob_terms_t).
 template <bool LOG, typename acc_t, bool HAVE_EXP = false>
-BANDPO_HD void kl_scalar_delta_t(const BandParams& band, const acc_t* cells, const DeltaConsts<acc_t>& c, acc_t x,
-                                 acc_t& lo, acc_t& up, acc_t exp_x = acc_t(0)) {
+BANDPO_HD void kl_scalar_delta_t(const BandParams& band, const GridConsts<acc_t>& g, const acc_t* cells,
+                                 const DeltaConsts<acc_t>& c, acc_t x, acc_t& lo, acc_t& up, acc_t exp_x = acc_t(0)) {
   acc_t p, one_minus_p, t, u;
   prob_terms_t<LOG, acc_t, HAVE_EXP>(x, p, one_minus_p, t, exp_x);
-  const int k = axis_cell<acc_t>(t, band.table.t_min, band.table.t_step, band.table.nt, u);
+  const int k = axis_cell<acc_t>(t, g.t, u);
   const acc_t* a = cells + 8 * k;
   const acc_t q = a[0] + u * (a[1] + u * (a[2] + u * a[3]));
   const acc_t kappa = a[4] + u * (a[5] + u * (a[6] + u * a[7]));
 #if defined(__CUDA_ARCH__)
-  kl_finish_branched<acc_t>(p, one_minus_p, t, q, kappa, c.delta, [c] { return c; }, band.table, lo, up);
+  kl_finish_branched<acc_t>(p, one_minus_p, t, q, kappa, c.delta, [c] { return c; }, g.t, lo, up);
 #else
   kl_finish<acc_t>(p, one_minus_p, t, q, kappa, c, band.table, lo, up);
 #endif
@@ -65,21 +84,21 @@ BANDPO_HD bool is_log_input(const BandParams& band) {
 }
 
 template <typename acc_t, ProbInput IN = ProbInput::kRuntime>
-BANDPO_HD void kl_scalar_delta(const BandParams& band, const acc_t* cells, const DeltaConsts<acc_t>& c, acc_t x,
-                               acc_t& lo, acc_t& up, acc_t exp_x = acc_t(0)) {
+BANDPO_HD void kl_scalar_delta(const BandParams& band, const GridConsts<acc_t>& g, const acc_t* cells,
+                               const DeltaConsts<acc_t>& c, acc_t x, acc_t& lo, acc_t& up, acc_t exp_x = acc_t(0)) {
   if (IN == ProbInput::kLogProbExp) {
-    kl_scalar_delta_t<true, acc_t, true>(band, cells, c, x, lo, up, exp_x);
+    kl_scalar_delta_t<true, acc_t, true>(band, g, cells, c, x, lo, up, exp_x);
   } else if (is_log_input<IN>(band)) {
-    kl_scalar_delta_t<true, acc_t>(band, cells, c, x, lo, up);
+    kl_scalar_delta_t<true, acc_t>(band, g, cells, c, x, lo, up);
   } else {
-    kl_scalar_delta_t<false, acc_t>(band, cells, c, x, lo, up);
+    kl_scalar_delta_t<false, acc_t>(band, g, cells, c, x, lo, up);
   }
 }
 
 // KL with a per-token δ.
 template <typename acc_t, ProbInput IN = ProbInput::kRuntime>
-BANDPO_HD void kl_token_delta(const BandParams& band, acc_t x, acc_t delta, acc_t& lo, acc_t& up,
-                              acc_t exp_x = acc_t(0)) {
+BANDPO_HD void kl_token_delta(const BandParams& band, const GridConsts<acc_t>& g, acc_t x, acc_t delta, acc_t& lo,
+                              acc_t& up, acc_t exp_x = acc_t(0)) {
   acc_t p, one_minus_p, t;
   if (IN == ProbInput::kLogProbExp) {
     prob_terms_t<true, acc_t, true>(x, p, one_minus_p, t, exp_x);
@@ -87,13 +106,13 @@ BANDPO_HD void kl_token_delta(const BandParams& band, acc_t x, acc_t delta, acc_
     prob_terms<acc_t>(x, is_log_input<IN>(band), p, one_minus_p, t);
   }
   acc_t q, kappa, ut, us;
-  const int it = axis_cell<acc_t>(t, band.table.t_min, band.table.t_step, band.table.nt, ut);
-  const int js = token_s_cell<acc_t>(band.table, band.s_axis, delta, us);
+  const int it = axis_cell<acc_t>(t, g.t, ut);
+  const int js = token_s_cell<acc_t>(g.s, band.s_axis, delta, us);
   spline2d_cells<acc_t>(band.table, it, ut, js, us, q, kappa);
 #if defined(__CUDA_ARCH__)
   // The δ constants (an expm1 and a log) only for elements beyond the grid.
   const auto consts = [delta] { return delta_consts<acc_t>(delta); };
-  kl_finish_branched<acc_t>(p, one_minus_p, t, q, kappa, delta, consts, band.table, lo, up);
+  kl_finish_branched<acc_t>(p, one_minus_p, t, q, kappa, delta, consts, g.t, lo, up);
   if constexpr (std::is_same<acc_t, double>::value) {
     const double tmin = band.table.t_min, tmax = band.table.t_min + (band.table.nt - 1) * band.table.t_step;
     if ((t < tmin) | (t > tmax)) kl_refine_tails<acc_t>(band.table, p, one_minus_p, t, consts(), lo, up);
@@ -141,28 +160,39 @@ enum class DivPath : int { kAny = 0, kTable = 1, kClosed = 2 };
 // The path for a divergence known at run time (host side: picks the kernel instantiation).
 inline DivPath div_path_of(Divergence d) { return reads_table(d) ? DivPath::kTable : DivPath::kClosed; }
 
-// Any divergence, any δ mode; applies the δ-range check (per-token δ) and the max_ratio cap.
+// Any divergence, any δ mode; applies the δ-range check (per-token δ) and the max_ratio cap. g: grid_consts(band).
 template <typename acc_t, bool PER_TOKEN, DivPath PATH = DivPath::kAny, ProbInput IN = ProbInput::kRuntime>
-BANDPO_HD void band_element(const BandParams& band, const DeltaConsts<acc_t>& c, acc_t x, acc_t delta, acc_t& lo,
-                            acc_t& up, acc_t exp_x = acc_t(0)) {  // exp_x: with ProbInput::kLogProbExp only
-  const bool ok = !PER_TOKEN || delta_valid<acc_t>(band.table, delta);
+BANDPO_HD void band_element(const BandParams& band, const GridConsts<acc_t>& g, const DeltaConsts<acc_t>& c, acc_t x,
+                            acc_t delta, acc_t& lo, acc_t& up,
+                            acc_t exp_x = acc_t(0)) {  // exp_x: with ProbInput::kLogProbExp only
+  const bool ok = !PER_TOKEN || delta_valid<acc_t>(g.delta, delta);
   const acc_t delta_given = delta;
-  if (PER_TOKEN) delta = delta_in_range<acc_t>(band.table, delta);
+  if (PER_TOKEN) delta = delta_in_range<acc_t>(g.delta, delta);
   const bool table = PATH == DivPath::kAny ? reads_table(band.divergence) : PATH == DivPath::kTable;
   if (table) {
     if (PER_TOKEN) {
-      kl_token_delta<acc_t, IN>(band, x, delta, lo, up, exp_x);
+      kl_token_delta<acc_t, IN>(band, g, x, delta, lo, up, exp_x);
     } else {
-      kl_scalar_delta<acc_t, IN>(band, cell_table<acc_t>(band), c, x, lo, up, exp_x);
+      kl_scalar_delta<acc_t, IN>(band, g, cell_table<acc_t>(band), c, x, lo, up, exp_x);
     }
   } else {
     closed_form<acc_t, PER_TOKEN>(band, x, delta_given, lo, up);
   }
   if (!ok) {
+#if defined(__CUDA_ARCH__)
+    lo = up = g.invalid;  // the runtime 0/0 once per thread (band kernels) instead of one division per element
+#else
     lo = up = acc_t(0) / acc_t(0);
+#endif
   }
-  const acc_t cap = static_cast<acc_t>(band.max_ratio);
+  const acc_t cap = g.max_ratio;
   up = up > cap ? cap : up;
+}
+
+template <typename acc_t, bool PER_TOKEN, DivPath PATH = DivPath::kAny, ProbInput IN = ProbInput::kRuntime>
+BANDPO_HD void band_element(const BandParams& band, const DeltaConsts<acc_t>& c, acc_t x, acc_t delta, acc_t& lo,
+                            acc_t& up, acc_t exp_x = acc_t(0)) {
+  band_element<acc_t, PER_TOKEN, PATH, IN>(band, grid_consts<acc_t>(band), c, x, delta, lo, up, exp_x);
 }
 
 }  // namespace bandpo

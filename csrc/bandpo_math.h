@@ -123,20 +123,53 @@ BANDPO_HD void bspline_weights(T u, T w[4]) {
   w[3] = u3 * sixth;
 }
 
+#if defined(__CUDA_ARCH__)
+// min(max(f, 0), 1) for a number f (a NaN would give 0): one saturating instruction on the GPU.
+__device__ __forceinline__ float saturate_unit(float f) { return __saturatef(f); }
+__device__ __forceinline__ double saturate_unit(double f) { return f < 0.0 ? 0.0 : (f > 1.0 ? 1.0 : f); }
+#endif
+
+// One axis of n nodes x0 + i·step in the arithmetic type T, converted from the table's double fields once: the
+// GPU kernels build these per thread (GridConsts), since their compilers otherwise convert the fields again at
+// every use, for every element.
+template <typename T>
+struct AxisConsts {
+  T lo, hi;       // the first and the last node
+  T inv;          // 1/step, rounded from double
+  T step;         // the step, rounded to T (exact for the dyadic t step)
+  int last_cell;  // n - 2
+};
+
+template <typename T>
+BANDPO_HD AxisConsts<T> axis_consts(double x0, double step, int n) {
+  return AxisConsts<T>{T(x0), T(x0 + (n - 1) * step), T(1.0 / step), T(step), n - 2};
+}
+
 // Cell index and exact in-cell fraction of x on an axis of n nodes. x is first clamped into the axis
 // (NaN goes to the first cell; callers propagate NaN through other terms). The fraction is computed from
 // the node position, which is exact for a dyadic step, rather than from (x - x0)/h, which would round.
 template <typename T>
-BANDPO_HD int axis_cell(T x, double x0, double step, int n, T& u) {
-  const T lo = T(x0), hi = T(x0 + (n - 1) * step);
-  const T xc = (x >= lo) ? ((x <= hi) ? x : hi) : lo;
-  const T inv = T(1.0 / step);
-  int i = static_cast<int>((xc - lo) * inv);
-  i = i < 0 ? 0 : (i > n - 2 ? n - 2 : i);
-  const T xi = lo + T(i) * T(step);  // exact for a dyadic step (the t axis); rounded once otherwise
-  T f = (xc - xi) * inv;
+BANDPO_HD int axis_cell(T x, const AxisConsts<T>& a, T& u) {
+  const T below_hi = (x <= a.hi) ? x : a.hi;
+  const T xc = (x >= a.lo) ? below_hi : a.lo;
+  int i = static_cast<int>((xc - a.lo) * a.inv);
+#if defined(__CUDA_ARCH__)
+  // The same clamps in fewer instructions: integer min/max, and saturation to [0, 1] (f is never NaN: xc is a number).
+  i = ::min(::max(i, 0), a.last_cell);
+  const T xi = a.lo + T(i) * a.step;
+  u = saturate_unit((xc - xi) * a.inv);
+#else
+  i = i < 0 ? 0 : (i > a.last_cell ? a.last_cell : i);
+  const T xi = a.lo + T(i) * a.step;  // exact for a dyadic step (the t axis); rounded once otherwise
+  T f = (xc - xi) * a.inv;
   u = f < T(0) ? T(0) : (f > T(1) ? T(1) : f);
+#endif
   return i;
+}
+
+template <typename T>
+BANDPO_HD int axis_cell(T x, double x0, double step, int n, T& u) {
+  return axis_cell<T>(x, axis_consts<T>(x0, step, n), u);
 }
 
 // Collapse the s axis at a fixed δ and convert cell `k` of the t axis to power-basis cubics:
@@ -174,14 +207,23 @@ BANDPO_HD void spline2d_cells(const TableView& tb, int it, T ut, int js, T us, T
   T wt[4], ws[4];
   bspline_weights<T>(ut, wt);
   bspline_weights<T>(us, ws);
-  const int ncol = tb.ns + 2;
+#if defined(__CUDA_ARCH__)
+  using Index = int;  // 32-bit offsets: the CUDA entry points refuse tables of 2^31 floats or more
+#else
+  using Index = std::int64_t;
+#endif
+  const Index ncol = tb.ns + 2;
+  // Row (it + a, js) of plane b is coef + b·(nt + 2)·ncol + (it + a)·ncol + js: one pointer for the patch's first
+  // row, and offsets a·ncol and (nt + 2)·ncol that do not depend on the element (the GPU hoists them out of its
+  // element loop instead of forming an index product and a widening per row).
+  const float* const first = tb.coef + static_cast<Index>(it) * ncol + js;
+  const Index plane = static_cast<Index>(tb.nt + 2) * ncol;
   T acc[2];
   for (int b = 0; b < 2; ++b) {
-    const float* base = tb.coef + static_cast<std::int64_t>(b) * (tb.nt + 2) * ncol;
-    const T c11 = T(load_ro(base + static_cast<std::int64_t>(it + 1) * ncol + js + 1));
+    const T c11 = T(load_ro(first + (b * plane + ncol + 1)));
     T sum = T(0);
     for (int a = 0; a < 4; ++a) {
-      const float* row = base + static_cast<std::int64_t>(it + a) * ncol + js;
+      const float* row = first + (b * plane + a * ncol);
       sum += wt[a] * (ws[0] * (T(load_ro(row)) - c11) + ws[1] * (T(load_ro(row + 1)) - c11) +
                       ws[2] * (T(load_ro(row + 2)) - c11) + ws[3] * (T(load_ro(row + 3)) - c11));
     }
@@ -215,17 +257,17 @@ inline TokenSAxis token_s_axis(const TableView& tb) {
 }
 
 // The s cell and fraction of a per-token δ inside the table's range (TokenSAxis): float δ by its exponent and
-// log z, double δ by axis_cell of log δ (exact enough in double).
+// log z, double δ by axis_cell of log δ on s_axis (exact enough in double).
 template <typename T>
-BANDPO_HD int token_s_cell(const TableView& tb, const TokenSAxis& a, T d, T& u);
+BANDPO_HD int token_s_cell(const AxisConsts<T>& s_axis, const TokenSAxis& a, T d, T& u);
 
 template <>
-BANDPO_HD int token_s_cell<double>(const TableView& tb, const TokenSAxis&, double d, double& u) {
-  return axis_cell<double>(log_any(d), tb.s_min, tb.s_step, tb.ns, u);
+BANDPO_HD int token_s_cell<double>(const AxisConsts<double>& s_axis, const TokenSAxis&, double d, double& u) {
+  return axis_cell<double>(log_any(d), s_axis, u);
 }
 
 template <>
-BANDPO_HD int token_s_cell<float>(const TableView&, const TokenSAxis& a, float d, float& u) {
+BANDPO_HD int token_s_cell<float>(const AxisConsts<float>&, const TokenSAxis& a, float d, float& u) {
   const int e = token_log_exponent(d);
   const float ef = static_cast<float>(e);
   const float log_z = log_any(bits_to_float(float_to_bits(d) - e * (1 << 23)));  // z = d·2^-e, |log z| < 0.36
@@ -267,8 +309,13 @@ BANDPO_HD void prob_terms_t(T x, T& p, T& one_minus_p, T& t, T exp_x = T(0)) {
     t = log_any(x / one_minus_p);
     p = ((x < T(0)) | (x > T(1))) ? nan : p;
   }
+#if !defined(__CUDA_ARCH__)
   one_minus_p = (p != p) ? nan : one_minus_p;
   t = (p != p) ? nan : t;
+#endif
+  // On the GPU both selects are left out: t is NaN already wherever p is (the logarithm of a NaN or of a negative
+  // number: x/(1-x) < 0 for x outside [0, 1], 1 - p = -expm1(x) < 0 for x above the rounding allowance), and
+  // 1 - p is read only beyond the grid (kl_tails), where t is a number and p therefore is one.
 }
 
 template <typename T>
@@ -372,11 +419,11 @@ BANDPO_HD_COLD KlBounds<T> kl_tails(T p, T one_minus_p, T t, T inv_ps, T tmin, K
 // exactly gives t = +inf, so the p = 1 rule (lo = e^{-δ}) lies in the t > t_max branch; NaN t takes neither.
 template <typename T, typename Consts>
 BANDPO_HD void kl_finish_branched(T p, T one_minus_p, T t, T q_tab, T kappa, T delta, const Consts& consts,
-                                  const TableView& tb, T& lo, T& up) {
-  const T tmax = T(tb.t_min + (tb.nt - 1) * tb.t_step), tmin = T(tb.t_min);
+                                  const AxisConsts<T>& t_axis, T& lo, T& up) {
+  const T tmax = t_axis.hi, tmin = t_axis.lo;
   const T q = q_tab < p ? p : (q_tab > T(1) ? T(1) : q_tab);
   const T scale = sizeof(T) == 4 ? T(16777216.0) : T(1152921504606846976.0);  // as in kl_finish
-  const T inv_ps = T(1) / (p * scale);
+  const T inv_ps = rcp_scaled_prob(p * scale);                                // T(1) / (p * scale), the same bits
   const T inv_p = inv_ps * scale;
   up = (q * scale) * inv_ps;
   lo = exp_any(-(delta * inv_p) * kappa);
@@ -561,18 +608,41 @@ BANDPO_HD T clamp_like_torch(T x, T lo, T up) {
   return (x != x) ? x : y;
 }
 
+// A per-token δ's range in the arithmetic type (the table's double fields converted once, as AxisConsts).
+template <typename T>
+struct DeltaRange {
+  T valid_min, valid_max;  // TableView's, in T
+  T lo, hi;                // delta_min, delta_max in T
+  bool max_inclusive;
+};
+
+template <typename T>
+BANDPO_HD DeltaRange<T> delta_range(const TableView& tb) {
+  return DeltaRange<T>{T(tb.valid_min), T(tb.valid_max), T(tb.delta_min), T(tb.delta_max), tb.delta_max_inclusive};
+}
+
+template <typename T>
+BANDPO_HD bool delta_valid(const DeltaRange<T>& r, T d) {
+  // Bitwise, no conditional on the (loop-invariant) flag: the CPU loops around this must vectorise.
+  const bool hi_ok = (d < r.valid_max) | ((d == r.valid_max) & r.max_inclusive);
+  return (d >= r.valid_min) & hi_ok;
+}
+
 template <typename T>
 BANDPO_HD bool delta_valid(const TableView& tb, T d) {
-  // Bitwise, no conditional on the (loop-invariant) flag: the CPU loops around this must vectorise.
-  const bool hi_ok = (d < T(tb.valid_max)) | ((d == T(tb.valid_max)) & tb.delta_max_inclusive);
-  return (d >= T(tb.valid_min)) & hi_ok;
+  return delta_valid<T>(delta_range<T>(tb), d);
 }
 
 // A per-token δ within the range as its dtype rounds it, moved onto the range it stands for.
 template <typename T>
+BANDPO_HD T delta_in_range(const DeltaRange<T>& r, T d) {
+  const T below_hi = d > r.hi ? r.hi : d;  // two selects, not a nested one: no branch on the GPU
+  return d < r.lo ? r.lo : below_hi;
+}
+
+template <typename T>
 BANDPO_HD T delta_in_range(const TableView& tb, T d) {
-  const T lo = T(tb.delta_min), hi = T(tb.delta_max);
-  return d < lo ? lo : (d > hi ? hi : d);
+  return delta_in_range<T>(delta_range<T>(tb), d);
 }
 
 }  // namespace bandpo

@@ -129,6 +129,47 @@ BANDPO_HD float exp_f32_normal(float x) {
 #endif
 }
 
+// 1/a rounded to nearest, for a = +0, NaN or a normal float below 2^126: a = p·2^24 for a probability p (the KL
+// band's one reciprocal, bandpo_math.h kl_finish_branched; p is never -0 there: prob_terms turns -0 into +0).
+// On the GPU: the instructions nvcc emits for 1.0f / a (rcp.rn.f32) on its fast path, an approximate reciprocal
+// refined by one Newton step in fma, which sm_90 takes for every a with exponent field in [1, 252] (its test:
+// ((bits + 0x1800000) & 0x7f800000) > 0x1ffffff), i.e. every such a but +0 and NaN; here without the test and
+// the call to the slow path: +0 gets that path's +inf by a select, NaN stays NaN. The same bits, two branches
+// and their bookkeeping fewer per element.
+BANDPO_HD float rcp_scaled_prob(float a) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
+  const float e = -fmaf(a, r, -1.0f);  // a·r - 1 is never subnormal here: the flush the fast path applies is moot
+  const float y = fmaf(r, e, r);
+  return a == 0.0f ? __int_as_float(0x7f800000) : y;
+#else
+  return 1.0f / a;
+#endif
+}
+BANDPO_HD double rcp_scaled_prob(double a) { return 1.0 / a; }
+
+// 0/0: on the GPU an IEEE division of +0 by +0 at run time (nvcc leaves `T(0) / T(0)` to run time where it does not
+// fold it, and the device's NaN is what that division returns); on the host the same expression as ever.
+BANDPO_HD float zero_by_zero(float zero) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("div.rn.f32 %0, %1, %1;" : "=f"(r) : "f"(zero));
+  return r;
+#else
+  return zero / zero;
+#endif
+}
+BANDPO_HD double zero_by_zero(double zero) {
+#if defined(__CUDA_ARCH__)
+  double r;
+  asm("div.rn.f64 %0, %1, %1;" : "=d"(r) : "d"(zero));
+  return r;
+#else
+  return zero / zero;
+#endif
+}
+
 BANDPO_HD double exp_normal_any(double x) { return ::exp(x); }
 BANDPO_HD float exp_normal_any(float x) { return exp_f32_normal(x); }
 

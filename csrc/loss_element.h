@@ -184,16 +184,17 @@ struct TokenTerms {
 // The bounds of the chosen clip at old log-probability olp, capped by max_ratio once (band_element caps
 // the band itself). PATH kTable: the caller knows the clip is a band that reads a table (KL); kClosed: any
 // other clip or a closed-form band; kAny: decided here (see DivPath).
+// g: grid_consts(params.band) (the GPU kernels pass theirs, built once).
 template <typename acc_t, bool PER_TOKEN, DivPath PATH = DivPath::kAny>
-BANDPO_HD void clip_bounds(const LossParams& params, const DeltaConsts<acc_t>& c, acc_t olp, acc_t p, acc_t dtok,
-                           acc_t& lo, acc_t& up) {
+BANDPO_HD void clip_bounds(const LossParams& params, const GridConsts<acc_t>& g, const DeltaConsts<acc_t>& c, acc_t olp,
+                           acc_t p, acc_t dtok, acc_t& lo, acc_t& up) {
   if (PATH == DivPath::kTable) {  // the band reads log-probabilities (LossParams::band.log_input is true)
-    band_element<acc_t, PER_TOKEN, DivPath::kTable, ProbInput::kLogProbExp>(params.band, c, olp, dtok, lo, up, p);
+    band_element<acc_t, PER_TOKEN, DivPath::kTable, ProbInput::kLogProbExp>(params.band, g, c, olp, dtok, lo, up, p);
     return;
   }
   switch (params.clip_kind) {
     case ClipKind::kBand:
-      band_element<acc_t, PER_TOKEN, PATH>(params.band, c, olp, dtok, lo, up);
+      band_element<acc_t, PER_TOKEN, PATH>(params.band, g, c, olp, dtok, lo, up);
       return;
     case ClipKind::kFixed:
       lo = acc_t(1) - acc_t(params.eps_low);
@@ -208,6 +209,12 @@ BANDPO_HD void clip_bounds(const LossParams& params, const DeltaConsts<acc_t>& c
   }
   const acc_t cap = acc_t(params.band.max_ratio);
   up = up > cap ? cap : up;
+}
+
+template <typename acc_t, bool PER_TOKEN, DivPath PATH = DivPath::kAny>
+BANDPO_HD void clip_bounds(const LossParams& params, const DeltaConsts<acc_t>& c, acc_t olp, acc_t p, acc_t dtok,
+                           acc_t& lo, acc_t& up) {
+  clip_bounds<acc_t, PER_TOKEN, PATH>(params, grid_consts<acc_t>(params.band), c, olp, p, dtok, lo, up);
 }
 
 // Everything about one token with weight w != 0 and bounds (lo, up) already known.

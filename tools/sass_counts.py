@@ -10,8 +10,11 @@ minute per file), disassembles them with `cuobjdump -sass` and prints, for the f
 
   * total: every SASS instruction of the kernel (prologue, loops, epilogue, out-of-line subroutines);
   * loop:  the static size of its element loop, found as the widest backward branch (`BRA` to a lower
-           address; the loop is the range from its target to the branch), minus any loop nested inside it
-           (the dense kernel's scalar remainder, fewer than 4 elements, reported as `inner`);
+           address; the loop is the range from its target to the branch) that holds a MUFU instruction (the
+           element math's exponential and reciprocal; the loss kernels' count reductions, loops of warp
+           shuffles, hold none), minus any loop nested inside it
+           (reported as `inner`; the dense band kernel's scalar remainder, fewer than 4 elements, runs after
+           its loop and is not counted);
   * path:  the instructions on the heaviest way once through that loop body (every branch may go either
            way; nested loops weigh 0): an upper bound of what one iteration issues, whichever branches its
            elements take. Code a CALL runs (the IEEE division's slow path, out-of-line tails) lies outside;
@@ -232,7 +235,11 @@ def measure(code: list[tuple[int, str]]) -> tuple[int, int, int, int, int]:
     found = loops(code)
     if not found:  # no loop: the whole kernel is one element's work
         return total, total, 0, longest_path(code, [], True), longest_path(code, [], False)
-    lo, hi = max(found, key=lambda r: r[1] - r[0])
+    # The element loop: the widest that does element math (a MUFU: every element takes an exponential and an
+    # approximate reciprocal). The loss kernels also loop over warp shuffles to reduce their counts, which can
+    # be the wider loop.
+    math = [r for r in found if any(r[0] <= a <= r[1] and t.startswith("MUFU") for a, t in code)] or found
+    lo, hi = max(math, key=lambda r: r[1] - r[0])
     inner = merged_ranges([r for r in found if lo <= r[0] and r[1] <= hi and r != (lo, hi)])
     inner_n = sum(count(code, a, b) for a, b in inner)
     body = [(a, t) for a, t in code if lo <= a <= hi]

@@ -146,7 +146,7 @@ BANDPO_INLINE void kl_f32_run(const FastRun& run) {
         ok[i] = delta_valid<float>(tb, dl[start + i]);
         dd[i] = delta_in_range<float>(tb, dl[start + i]);
       }
-      for (int i = 0; i < m; ++i) js[i] = token_s_cell<float>(tb, band.s_axis, dd[i], us[i]);
+      for (int i = 0; i < m; ++i) js[i] = token_s_cell<float>(AxisConsts<float>{}, band.s_axis, dd[i], us[i]);
       patches_scalar(tb, it, ut, js, us, q, kap, 0, m);
     } else {
       cell_cubics(cells, it, ut, q, kap, m);

@@ -65,10 +65,11 @@ struct Slots {
 
 // One element: the bounds (CLIP false: out0 = lo, out1 = up) or the clipped ratio (out0), in acc_t.
 template <typename acc_t, bool CLIP, bool PER_TOKEN, DivPath PATH, ProbInput IN>
-__device__ __forceinline__ void band_value(const BandParams& band, const DeltaConsts<acc_t>& c, acc_t x, acc_t d,
-                                           acc_t r, acc_t& out0, acc_t& out1) {
+__device__ __forceinline__ void band_value(const BandParams& band, const GridConsts<acc_t>& g,
+                                           const DeltaConsts<acc_t>& c, acc_t x, acc_t d, acc_t r, acc_t& out0,
+                                           acc_t& out1) {
   acc_t l, u;
-  band_element<acc_t, PER_TOKEN, PATH, IN>(band, c, x, d, l, u);
+  band_element<acc_t, PER_TOKEN, PATH, IN>(band, g, c, x, d, l, u);
   if (CLIP) {
     out0 = clamp_like_torch<acc_t>(r, l, u);
   } else {
@@ -79,7 +80,8 @@ __device__ __forceinline__ void band_value(const BandParams& band, const DeltaCo
 
 template <typename scalar_t, bool CLIP, int CELLS, DivPath PATH, ProbInput IN>
 __global__ void __launch_bounds__(kThreads)
-    band_dense_kernel(BandParams band, const void* cells_src, int n_cells, Pointers io, int64_t numel) {
+    band_dense_kernel(BandParams band, GridConsts<at::opmath_type<scalar_t>> g, const void* cells_src, int n_cells,
+                      Pointers io, int64_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool PER_TOKEN = per_token_mode(CELLS);
   constexpr int V = vec_size<scalar_t>();
@@ -87,52 +89,55 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   set_cells<acc_t>(band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
   const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(band.delta));
+  g.invalid = zero_by_zero(acc_t(0));  // the device's 0/0, not the host's (device_grid_consts)
   const scalar_t* prob = reinterpret_cast<const scalar_t*>(io.data[S::prob]);
   const scalar_t* ratio = reinterpret_cast<const scalar_t*>(io.data[S::ratio]);
   const scalar_t* delta = reinterpret_cast<const scalar_t*>(io.data[S::delta]);
   scalar_t* out0 = reinterpret_cast<scalar_t*>(io.data[0]);
   scalar_t* out1 = reinterpret_cast<scalar_t*>(io.data[1]);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * V;
-  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V; i < numel; i += stride) {
-    if (i + V <= numel) {
-      // Every load of the step first (kVec elements in flight per operand), then the math, then the stores.
-      const Vec<scalar_t, V> xv = *reinterpret_cast<const Vec<scalar_t, V>*>(prob + i);
-      Vec<scalar_t, V> rv{}, dv{}, o0, o1;
-      if (CLIP) rv = *reinterpret_cast<const Vec<scalar_t, V>*>(ratio + i);
-      if (PER_TOKEN) dv = *reinterpret_cast<const Vec<scalar_t, V>*>(delta + i);
+  const int64_t whole = numel - numel % V;  // the elements of whole steps: i < whole is i + V <= numel (i % V == 0)
+  int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V;
+  for (; i < whole; i += stride) {
+    // Every load of the step first (kVec elements in flight per operand), then the math, then the stores.
+    const Vec<scalar_t, V> xv = *reinterpret_cast<const Vec<scalar_t, V>*>(prob + i);
+    Vec<scalar_t, V> rv{}, dv{}, o0, o1;
+    if (CLIP) rv = *reinterpret_cast<const Vec<scalar_t, V>*>(ratio + i);
+    if (PER_TOKEN) dv = *reinterpret_cast<const Vec<scalar_t, V>*>(delta + i);
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        acc_t a0, a1 = acc_t(0);
-        band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, c, static_cast<acc_t>(xv.v[k]),
-                                                     PER_TOKEN ? static_cast<acc_t>(dv.v[k]) : c.delta,
-                                                     CLIP ? static_cast<acc_t>(rv.v[k]) : acc_t(0), a0, a1);
-        o0.v[k] = static_cast<scalar_t>(a0);
-        o1.v[k] = static_cast<scalar_t>(a1);
-      }
-      *reinterpret_cast<Vec<scalar_t, V>*>(out0 + i) = o0;
-      if (!CLIP) *reinterpret_cast<Vec<scalar_t, V>*>(out1 + i) = o1;
-    } else {
-      for (int64_t j = i; j < numel; ++j) {  // the tail: fewer than V elements
-        acc_t a0, a1 = acc_t(0);
-        band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, c, static_cast<acc_t>(prob[j]),
-                                                     PER_TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
-                                                     CLIP ? static_cast<acc_t>(ratio[j]) : acc_t(0), a0, a1);
-        out0[j] = static_cast<scalar_t>(a0);
-        if (!CLIP) out1[j] = static_cast<scalar_t>(a1);
-      }
+    for (int k = 0; k < V; ++k) {
+      acc_t a0, a1 = acc_t(0);
+      band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, g, c, static_cast<acc_t>(xv.v[k]),
+                                                   PER_TOKEN ? static_cast<acc_t>(dv.v[k]) : c.delta,
+                                                   CLIP ? static_cast<acc_t>(rv.v[k]) : acc_t(0), a0, a1);
+      o0.v[k] = static_cast<scalar_t>(a0);
+      o1.v[k] = static_cast<scalar_t>(a1);
     }
+    *reinterpret_cast<Vec<scalar_t, V>*>(out0 + i) = o0;
+    if (!CLIP) *reinterpret_cast<Vec<scalar_t, V>*>(out1 + i) = o1;
+  }
+  // The tail, fewer than V elements: the one thread whose next step starts at `whole`.
+  for (int64_t j = i; j < numel; ++j) {
+    acc_t a0, a1 = acc_t(0);
+    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, g, c, static_cast<acc_t>(prob[j]),
+                                                 PER_TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
+                                                 CLIP ? static_cast<acc_t>(ratio[j]) : acc_t(0), a0, a1);
+    out0[j] = static_cast<scalar_t>(a0);
+    if (!CLIP) out1[j] = static_cast<scalar_t>(a1);
   }
 }
 
 template <typename scalar_t, bool CLIP, int CELLS, DivPath PATH, ProbInput IN>
-__global__ void __launch_bounds__(kThreads) band_strided_kernel(BandParams band, const void* cells_src, int n_cells,
-                                                                Pointers io, Offsets offsets, uint32_t numel) {
+__global__ void __launch_bounds__(kThreads)
+    band_strided_kernel(BandParams band, GridConsts<at::opmath_type<scalar_t>> g, const void* cells_src, int n_cells,
+                        Pointers io, Offsets offsets, uint32_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool PER_TOKEN = per_token_mode(CELLS);
   using S = Slots<CLIP>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   set_cells<acc_t>(band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
   const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(band.delta));
+  g.invalid = zero_by_zero(acc_t(0));  // the device's 0/0, not the host's (device_grid_consts)
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += gridDim.x * blockDim.x) {
     const auto off = offsets.get(i);  // byte offsets, one per operand
     const acc_t x = static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(io.data[S::prob] + off[S::prob]));
@@ -141,7 +146,7 @@ __global__ void __launch_bounds__(kThreads) band_strided_kernel(BandParams band,
     const acc_t r =
         CLIP ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(io.data[S::ratio] + off[S::ratio])) : acc_t(0);
     acc_t a0, a1 = acc_t(0);
-    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, c, x, d, r, a0, a1);
+    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, g, c, x, d, r, a0, a1);
     *reinterpret_cast<scalar_t*>(io.data[0] + off[0]) = static_cast<scalar_t>(a0);
     if (!CLIP) *reinterpret_cast<scalar_t*>(io.data[1] + off[1]) = static_cast<scalar_t>(a1);
   }
@@ -174,13 +179,14 @@ void launch_mode(at::TensorIteratorBase& iter, const BandParams& band, const Cel
                  cudaStream_t stream) {
   constexpr int V = vec_size<scalar_t>();
   const size_t smem = CELLS == kCellsShared ? plan.smem : 0;
+  const GridConsts<at::opmath_type<scalar_t>> g = device_grid_consts<at::opmath_type<scalar_t>>(band);
   if (dense_and_aligned(iter, V * sizeof(scalar_t))) {
     const auto kernel = band_dense_kernel<scalar_t, CLIP, CELLS, PATH, IN>;
     const int64_t needed =
         (iter.numel() + static_cast<int64_t>(kThreads) * V - 1) / (static_cast<int64_t>(kThreads) * V);
     const int blocks =
         static_cast<int>(std::min<int64_t>(needed, resident_blocks((const void*)kernel, kThreads, smem, device)));
-    kernel<<<blocks, kThreads, smem, stream>>>(band, plan.src, plan.n_cells, pointers_of(iter), iter.numel());
+    kernel<<<blocks, kThreads, smem, stream>>>(band, g, plan.src, plan.n_cells, pointers_of(iter), iter.numel());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
@@ -189,7 +195,7 @@ void launch_mode(at::TensorIteratorBase& iter, const BandParams& band, const Cel
   for (auto& sub : iter.with_32bit_indexing()) {  // one sub-iterator unless there are 2^31 or more elements
     const int64_t needed = (sub.numel() + kThreads - 1) / kThreads;
     const int blocks = static_cast<int>(std::min<int64_t>(needed, resident));
-    kernel<<<blocks, kThreads, smem, stream>>>(band, plan.src, plan.n_cells, pointers_of(sub), offsets_of(sub),
+    kernel<<<blocks, kThreads, smem, stream>>>(band, g, plan.src, plan.n_cells, pointers_of(sub), offsets_of(sub),
                                                static_cast<uint32_t>(sub.numel()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -273,6 +279,7 @@ std::tuple<at::Tensor, at::Tensor> bounds_cuda(const at::Tensor& prob, const c10
     it = make_band_iter("bounds", nullptr, keep.prob, keep.delta, table, grid, divergence, max_ratio);
   }
   const BandParams band = make_params(table, grid, divergence, log_input, d, max_ratio);
+  check_table_offsets("bounds", band.table);
   launch<false>(it.iter, band, d.per_token_mode(), prob.scalar_type(), prob.get_device());
   return {it.lo, it.up};
 }
@@ -293,6 +300,7 @@ at::Tensor clip_cuda(const at::Tensor& ratio, const at::Tensor& prob, const c10:
     it = make_band_iter("clip", &keep.ratio, keep.prob, keep.delta, table, grid, divergence, max_ratio);
   }
   const BandParams band = make_params(table, grid, divergence, log_input, d, max_ratio);
+  check_table_offsets("clip", band.table);
   launch<true>(it.iter, band, d.per_token_mode(), prob.scalar_type(), prob.get_device());
   return it.out;
 }

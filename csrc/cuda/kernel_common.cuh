@@ -8,7 +8,11 @@
 #include <ATen/ATen.h>
 #include <cuda_runtime.h>
 
-#include "bandpo_math.h"
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "band_element.h"
 
 namespace bandpo {
 
@@ -37,6 +41,28 @@ const void* cached_cells(const BandParams& band, bool as_double, cudaStream_t st
 // to request, opting the kernel in above the 48 KB default where the device allows, or 0 when they do not
 // fit (use kCellsGlobal). The one place where shared memory is checked.
 size_t shared_cells_bytes(const void* kernel, size_t cells_bytes, size_t static_bytes, int device);
+
+// The element kernels address the table (a per-token δ's tensor-product patch, bandpo_math.h spline2d_cells) with
+// 32-bit offsets: every CUDA entry point refuses a table of 2^31 floats or more (shipped tables hold well under 2^20).
+inline void check_table_offsets(const char* op, const TableView& tb) {
+  const int64_t entries = int64_t{2} * (tb.nt + 2) * (tb.ns + 2);
+  TORCH_CHECK(entries <= std::numeric_limits<int32_t>::max(), op, ": the table has ", entries,
+              " entries; the CUDA kernels address at most 2^31 - 1");
+}
+
+// grid_consts(band) as device code computes it, for the element kernels (band and loss) to take as an argument: built
+// there, its values would be converted from BandParams' double fields again for every element (nvcc rematerialises
+// them). The one expression that could round differently on the host is an axis' last node x0 + (n - 1)·step: nvcc
+// contracts it into one fused multiply-add (fma.rn.f64 in the PTX), so it is taken by std::fma here; the rest are
+// conversions and a quotient, correctly rounded on both sides.
+template <typename acc_t>
+GridConsts<acc_t> device_grid_consts(const BandParams& band) {
+  const TableView& tb = band.table;
+  GridConsts<acc_t> g = grid_consts<acc_t>(band);
+  g.t.hi = static_cast<acc_t>(std::fma(static_cast<double>(tb.nt - 1), tb.t_step, tb.t_min));
+  g.s.hi = static_cast<acc_t>(std::fma(static_cast<double>(tb.ns - 1), tb.s_step, tb.s_min));
+  return g;
+}
 
 // Blocks of `threads` that are resident at once on the device for `kernel` with `smem` dynamic bytes
 // (grid-stride kernels launch no more than this: one wave).

@@ -78,11 +78,12 @@ __device__ __forceinline__ void load_tile(const LossParams& params, const LossIn
 }
 
 template <typename acc_t, bool PER_TOKEN, DivPath PATH>
-__device__ __forceinline__ void token_at(const LossParams& params, const DeltaConsts<acc_t>& c,
-                                         const TileInputs<acc_t>& loaded, int k, TokenTerms<acc_t>& o) {
+__device__ __forceinline__ void token_at(const LossParams& params, const GridConsts<acc_t>& g,
+                                         const DeltaConsts<acc_t>& c, const TileInputs<acc_t>& loaded, int k,
+                                         TokenTerms<acc_t>& o) {
   const acc_t p = exp_any(loaded.olp[k]);
   acc_t lo, up;
-  clip_bounds<acc_t, PER_TOKEN, PATH>(params, c, loaded.olp[k], p, PER_TOKEN ? loaded.d[k] : c.delta, lo, up);
+  clip_bounds<acc_t, PER_TOKEN, PATH>(params, g, c, loaded.olp[k], p, PER_TOKEN ? loaded.d[k] : c.delta, lo, up);
   token_terms<acc_t>(params, loaded.lp[k], loaded.olp[k], loaded.adv[k], loaded.w[k], p, lo, up, o);
 }
 
@@ -132,14 +133,15 @@ struct CountAcc {
 // Pass 1. tile_sums: [per_row][rows] (Σ w·loss, Σ w) of each tile; block_counts: [gridDim.x][kNumCounts].
 template <typename scalar_t, int CELLS, bool WEIGHTED, DivPath PATH>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t, WEIGHTED>)
-    loss_tokens_kernel(LossParams params, const void* cells_src, int n_cells, LossInputs<scalar_t> in, Tiles tiles,
-                       double2* tile_sums, double* block_counts) {
+    loss_tokens_kernel(LossParams params, GridConsts<at::opmath_type<scalar_t>> g, const void* cells_src, int n_cells,
+                       LossInputs<scalar_t> in, Tiles tiles, double2* tile_sums, double* block_counts) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool PER_TOKEN = per_token_mode(CELLS);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ double warp_counts[kWarpsPerBlock][kNumCounts];
   set_cells<acc_t>(params.band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
   const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(params.band.delta));
+  g.invalid = zero_by_zero(acc_t(0));  // the device's 0/0, not the host's (device_grid_consts)
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
   const int64_t tile_len = static_cast<int64_t>(tiles.k) * kWarpSize;
@@ -154,7 +156,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t, WEIGHTED>)
     for (int k = 0; k < kMaxK; ++k) {
       if (loaded.w[k] != acc_t(0)) {  // ignored tokens contribute nothing, whatever their inputs
         TokenTerms<acc_t> o;
-        token_at<acc_t, PER_TOKEN, PATH>(params, c, loaded, k, o);
+        token_at<acc_t, PER_TOKEN, PATH>(params, g, c, loaded, k, o);
         acc.add(o, loaded.w[k]);
         s += static_cast<double>(o.value);
         w_sum += static_cast<double>(loaded.w[k]);
@@ -235,21 +237,23 @@ __global__ void __launch_bounds__(kFinishThreads)
 
 template <typename scalar_t, int CELLS, DivPath PATH>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>)
-    loss_grad_kernel(LossParams params, const void* cells_src, int n_cells, LossInputs<scalar_t> in, Tiles tiles,
-                     const double* grad_loss, const double* row_scale, scalar_t* grad) {
+    loss_grad_kernel(LossParams params, GridConsts<at::opmath_type<scalar_t>> g, const void* cells_src, int n_cells,
+                     LossInputs<scalar_t> in, Tiles tiles, const double* grad_loss, const double* row_scale,
+                     scalar_t* grad) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool PER_TOKEN = per_token_mode(CELLS);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   set_cells<acc_t>(params.band, cells_prologue<CELLS, acc_t>(static_cast<const acc_t*>(cells_src), n_cells, smem_raw));
   const DeltaConsts<acc_t> c = delta_consts<acc_t>(static_cast<acc_t>(params.band.delta));
+  g.invalid = zero_by_zero(acc_t(0));  // the device's 0/0, not the host's (device_grid_consts)
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
   const int64_t tile_len = static_cast<int64_t>(tiles.k) * kWarpSize;
-  const double g = *grad_loss;
+  const double grad_out = *grad_loss;
   for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; tile < tiles.count(); tile += n_warps) {
     const int64_t row = tile / tiles.per_row, part = tile - row * tiles.per_row;
     const int64_t base = row * tiles.n, j0 = part * tile_len;
-    const acc_t gb = static_cast<acc_t>(g * row_scale[row]);
+    const acc_t gb = static_cast<acc_t>(grad_out * row_scale[row]);
     TileInputs<acc_t> loaded;
     load_tile<scalar_t, acc_t, PER_TOKEN>(params, in, tiles, base, j0, lane, loaded);
 #pragma unroll
@@ -259,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>)
         acc_t gi = acc_t(0);
         if (loaded.w[k] != acc_t(0)) {
           TokenTerms<acc_t> o;
-          token_at<acc_t, PER_TOKEN, PATH>(params, c, loaded, k, o);
+          token_at<acc_t, PER_TOKEN, PATH>(params, g, c, loaded, k, o);
           gi = gb * o.grad;
         }
         grad[base + j] = static_cast<scalar_t>(gi);
@@ -291,9 +295,9 @@ int launch_tokens(const LossParams& params, const CellsPlan& plan, const LossInp
   const int blocks =
       static_cast<int>(std::min<int64_t>(needed, resident_blocks((const void*)kernel, kThreads, smem, device)));
   block_counts = at::empty({blocks, kNumCounts}, tile_sums.options());
-  kernel<<<blocks, kThreads, smem, stream>>>(params, plan.src, plan.n_cells, in, tiles,
-                                             reinterpret_cast<double2*>(tile_sums.data_ptr<double>()),
-                                             block_counts.data_ptr<double>());
+  kernel<<<blocks, kThreads, smem, stream>>>(
+      params, device_grid_consts<at::opmath_type<scalar_t>>(params.band), plan.src, plan.n_cells, in, tiles,
+      reinterpret_cast<double2*>(tile_sums.data_ptr<double>()), block_counts.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return blocks;
 }
@@ -319,6 +323,7 @@ int launch_tokens_mask(const LossParams& params, const CellsPlan& plan, const Lo
 
 // The forward on the device (loss_fwd_entry, loss_host.h, has checked the inputs and taken the device guard).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_forward(const LossTensors& inputs, const LossParams& params) {
+  check_table_offsets("policy_loss", params.band.table);
   const at::Tensor& lp = inputs.lp;
   const int device = lp.get_device();
   const Tiles tiles = make_tiles(lp.size(0), lp.size(1));
@@ -379,7 +384,8 @@ void launch_grad_path(const LossParams& params, const CellsPlan& plan, const Los
   const int64_t needed = (tiles.count() + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int blocks =
       static_cast<int>(std::min<int64_t>(needed, resident_blocks((const void*)kernel, kThreads, smem, device)));
-  kernel<<<blocks, kThreads, smem, stream>>>(params, plan.src, plan.n_cells, in, tiles, g.data_ptr<double>(),
+  kernel<<<blocks, kThreads, smem, stream>>>(params, device_grid_consts<at::opmath_type<scalar_t>>(params.band),
+                                             plan.src, plan.n_cells, in, tiles, g.data_ptr<double>(),
                                              scale.data_ptr<double>(), grad.data_ptr<scalar_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -399,6 +405,7 @@ void launch_grad(const LossParams& params, const CellsPlan& plan, const LossInpu
 // The backward on the device (after loss_bwd_entry's checks, under its device guard).
 at::Tensor loss_backward(const at::Tensor& grad_loss, const at::Tensor& row_scale, const LossTensors& inputs,
                          const LossParams& params) {
+  check_table_offsets("policy_loss", params.band.table);
   const at::Tensor& lp = inputs.lp;
   const at::Tensor g = grad_loss.reshape({1}).to(at::kDouble);  // read on the device: no synchronisation
   const at::Tensor scale = row_scale.contiguous();
