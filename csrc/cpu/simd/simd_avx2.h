@@ -130,17 +130,34 @@ struct V {
   // result assembled from its bits (y = e^r·2^(n+149), exact and below 2^24; the float with the bits round(y)):
   // no floating-point instruction produces or reads a subnormal.
   BANDPO_SIMD_INLINE static F exp(F x) {
+    F n, r, poly;
+    exp_reduce(x, n, r, poly);
+    return exp_scale(n, fmadd(r, poly, set1(1.0f)));
+  }
+  // e^x, and expm1(x) for x <= 2^-9 (as the AVX-512 type's exp_expm1).
+  BANDPO_SIMD_INLINE static F exp_expm1(F x, F& em1) {
+    F n, r, poly;
+    exp_reduce(x, n, r, poly);
+    const __m256i nc = _mm256_max_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(-30));  // below 2^-30: -1
+    const F two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(nc, _mm256_set1_epi32(127)), 23));
+    em1 = fmadd(two_n, mul(r, poly), sub(two_n, set1(1.0f)));
+    return exp_scale(n, fmadd(r, poly, set1(1.0f)));
+  }
+  // x = n·ln 2 + r (x held in [-104, 88.7], NaN kept), and poly with e^r = 1 + r·poly (the series to r^7).
+  BANDPO_SIMD_INLINE static void exp_reduce(F& x, F& n, F& r, F& poly) {
     x = min(set1(88.7f), max(set1(-104.0f), x));  // NaN passes (second operands)
-    const F n = _mm256_round_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    F r = _mm256_fnmadd_ps(n, set1(kLn2Hi), x);
+    n = _mm256_round_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm256_fnmadd_ps(n, set1(kLn2Hi), x);
     r = _mm256_fnmadd_ps(n, set1(kLn2Lo), r);
     F s = fmadd(r, set1(1.0f / 5040), set1(1.0f / 720));
     s = fmadd(r, s, set1(1.0f / 120));
     s = fmadd(r, s, set1(1.0f / 24));
     s = fmadd(r, s, set1(1.0f / 6));
     s = fmadd(r, s, set1(0.5f));
-    s = fmadd(r, s, set1(1.0f));
-    s = fmadd(r, s, set1(1.0f));
+    poly = fmadd(r, s, set1(1.0f));
+  }
+  // s·2^n without a subnormal operand or result on the way (see exp above).
+  BANDPO_SIMD_INLINE static F exp_scale(F n, F s) {
     const __m256i ni = _mm256_cvtps_epi32(n);  // NaN: 0x80000000, whose scales are irrelevant (s is NaN)
     const __m256i nn = _mm256_max_epi32(ni, _mm256_set1_epi32(-125));
     const __m256i n1 = _mm256_srai_epi32(nn, 1), n2 = _mm256_sub_epi32(nn, n1);

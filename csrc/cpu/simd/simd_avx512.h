@@ -117,24 +117,39 @@ struct V {
   // floating-point instruction produces or reads a subnormal): y = e^r·2^(n+149) is exact and below 2^24, and the
   // float with the bits round(y) is the correctly rounded result. Below -104 the result is 0; NaN stays NaN.
   BANDPO_SIMD_INLINE static F exp(F x) {
-    x = max(set1(-104.0f), x);  // max(c, NaN) is NaN
-    const F n = _mm512_roundscale_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const F s = exp_series(x, n);
-    const F normal = _mm512_scalef_ps(s, max(n, set1(-125.0f)));  // NaN n: -125 (s is NaN)
-    const F y = _mm512_scalef_ps(s, add(min(n, set1(-126.0f)), set1(149.0f)));
-    const F tiny = _mm512_castsi512_ps(_mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    return blend(lt(n, set1(-125.5f)), normal, tiny);
+    F n, r, poly;
+    exp_reduce(x, n, r, poly);
+    return exp_scale(n, fmadd(r, poly, set1(1.0f)));
   }
-  BANDPO_SIMD_INLINE static F exp_series(F x, F n) {
-    F r = _mm512_fnmadd_ps(n, set1(kLn2Hi), x);
+  // e^x, and expm1(x) for x <= 2^-9 (the log-probabilities prob_terms_v reads; n <= 0 there): from the same
+  // reduction, e^x - 1 = 2^n·(e^r - 1) + (2^n - 1) with e^r - 1 = r·poly, one rounding of a sum whose terms do not
+  // cancel (|2^n·(e^r - 1)| <= 0.41·2^n against 1 - 2^n >= 1/2 for n < 0; the series itself for n = 0).
+  BANDPO_SIMD_INLINE static F exp_expm1(F x, F& em1) {
+    F n, r, poly;
+    exp_reduce(x, n, r, poly);
+    const F two_n = _mm512_scalef_ps(set1(1.0f), max(n, set1(-30.0f)));  // below 2^-30, e^x - 1 rounds to -1
+    em1 = fmadd(two_n, mul(r, poly), sub(two_n, set1(1.0f)));
+    return exp_scale(n, fmadd(r, poly, set1(1.0f)));
+  }
+  // x = n·ln 2 + r (x held at -104 or more, NaN kept), and poly with e^r = 1 + r·poly (the series to r^7).
+  BANDPO_SIMD_INLINE static void exp_reduce(F& x, F& n, F& r, F& poly) {
+    x = max(set1(-104.0f), x);  // max(c, NaN) is NaN
+    n = _mm512_roundscale_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_fnmadd_ps(n, set1(kLn2Hi), x);
     r = _mm512_fnmadd_ps(n, set1(kLn2Lo), r);
     F s = fmadd(r, set1(1.0f / 5040), set1(1.0f / 720));
     s = fmadd(r, s, set1(1.0f / 120));
     s = fmadd(r, s, set1(1.0f / 24));
     s = fmadd(r, s, set1(1.0f / 6));
     s = fmadd(r, s, set1(0.5f));
-    s = fmadd(r, s, set1(1.0f));
-    return fmadd(r, s, set1(1.0f));
+    poly = fmadd(r, s, set1(1.0f));
+  }
+  // s·2^n without a subnormal operand or result on the way (see exp above).
+  BANDPO_SIMD_INLINE static F exp_scale(F n, F s) {
+    const F normal = _mm512_scalef_ps(s, max(n, set1(-125.0f)));  // NaN n: -125 (s is NaN)
+    const F y = _mm512_scalef_ps(s, add(min(n, set1(-126.0f)), set1(149.0f)));
+    const F tiny = _mm512_castsi512_ps(_mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return blend(lt(n, set1(-125.5f)), normal, tiny);
   }
   // q_up and κ at t (clamped onto the grid; NaN goes to its first node): cell c = floor((t - t_min)/width),
   // offset v = t - (t_min + c·width), exact for the shipped grid; then the degree-6 polynomials in v.
