@@ -29,58 +29,57 @@
 
 namespace bandpo {
 
-// ---- scalar-δ cell cubics, computed once per (table, δ) and cached -------------------------------------
-std::shared_ptr<const CellPolys> cell_polys(const BandParams& band) {
+// ---- what is computed once per table (and δ), cached -------------------------------------------------------
+// The key holds, besides the table's address, values that tell tables apart: a table tensor freed and another
+// allocated at the same address (a temporary `table.cpu()` copy per call does this) must not get the first one's
+// derived arrays, of another length (read out of bounds: NaN and garbage bounds). At most `bound` entries: tables
+// are few and δ rarely changes; the memory is bounded anyway. One cache per result type and call site.
+template <typename T, std::size_t N, typename Make>
+std::shared_ptr<const T> cached_per_table(const float* coef, const double (&values)[N], std::size_t bound, Make make) {
   static std::mutex mu;
-  static std::unordered_map<std::string, std::shared_ptr<const CellPolys>> cache;
-  // The key holds the table's geometry besides its address: a table tensor freed and another allocated at the
-  // same address (a temporary `table.cpu()` copy per call does this) must not get the first one's cells, of
-  // another length (read out of bounds: NaN and garbage bounds).
+  static std::unordered_map<std::string, std::shared_ptr<const T>> cache;
+  std::string key(sizeof(void*) + sizeof(values), '\0');
+  std::memcpy(&key[0], &coef, sizeof(void*));
+  std::memcpy(&key[sizeof(void*)], values, sizeof(values));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  std::shared_ptr<const T> made = make();
+  if (cache.size() >= bound) cache.clear();
+  cache.emplace(key, made);
+  return made;
+}
+
+// Scalar δ: the cell cubics, keyed by the table's geometry and δ.
+std::shared_ptr<const CellPolys> cell_polys(const BandParams& band) {
   const TableView& tb = band.table;
   const double geometry[] = {
       static_cast<double>(tb.nt), static_cast<double>(tb.ns), tb.t_min, tb.t_step, tb.s_min, tb.s_step, band.delta};
-  std::string key(sizeof(void*) + sizeof(geometry), '\0');
-  std::memcpy(&key[0], &tb.coef, sizeof(void*));
-  std::memcpy(&key[sizeof(void*)], geometry, sizeof(geometry));
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  auto polys = std::make_shared<CellPolys>();
-  const int cells = band.table.nt - 1;
-  polys->d.resize(8 * static_cast<size_t>(cells));
-  polys->f.resize(polys->d.size());
-  for (int k = 0; k < cells; ++k) {
-    collapse_cell(band.table, k, band.delta_js, band.delta_ws, &polys->d[8 * static_cast<size_t>(k)]);
-  }
-  for (size_t i = 0; i < polys->d.size(); ++i) polys->f[i] = static_cast<float>(polys->d[i]);
-  auto wide = std::make_unique<WideCells>();
-  if (fit_wide_cells(band.table, polys->d.data(), *wide)) polys->wide = std::move(wide);
-  if (cache.size() >= 256) cache.clear();  // tables are few and δ rarely changes; bound the memory anyway
-  cache.emplace(key, polys);
-  return polys;
+  return cached_per_table<CellPolys>(tb.coef, geometry, 256, [&band] {
+    auto polys = std::make_shared<CellPolys>();
+    const int cells = band.table.nt - 1;
+    polys->d.resize(8 * static_cast<size_t>(cells));
+    polys->f.resize(polys->d.size());
+    for (int k = 0; k < cells; ++k) {
+      collapse_cell(band.table, k, band.delta_js, band.delta_ws, &polys->d[8 * static_cast<size_t>(k)]);
+    }
+    for (size_t i = 0; i < polys->d.size(); ++i) polys->f[i] = static_cast<float>(polys->d[i]);
+    auto wide = std::make_unique<WideCells>();
+    if (fit_wide_cells(band.table, polys->d.data(), *wide)) polys->wide = std::move(wide);
+    return std::shared_ptr<const CellPolys>(std::move(polys));
+  });
 }
 
-// ---- per-token δ pair tables, computed once per table and cached ---------------------------------------------
+// Per-token δ: the pair table, keyed by the geometry and a sample of the coefficients (the pairs are a copy of
+// them, so a table of the same geometry at the same address must differ in the key).
 std::shared_ptr<const std::vector<float>> pair_table(const TableView& tb) {
-  static std::mutex mu;
-  static std::unordered_map<std::string, std::shared_ptr<const std::vector<float>>> cache;
-  // Keyed as cell_polys is (the address and the geometry), plus a sample of the coefficients: a table freed and
-  // another of the same geometry allocated at its address must not get the first one's pairs.
   constexpr int kSample = 16;
-  const std::int64_t count = 2 * static_cast<std::int64_t>(tb.nt + 2) * (tb.ns + 2);
+  const std::int64_t count = 2 * static_cast<std::int64_t>(tb.nt + 2) * (tb.ns + 2);  // the table's floats
   double key_values[6 + kSample] = {
       static_cast<double>(tb.nt), static_cast<double>(tb.ns), tb.t_min, tb.t_step, tb.s_min, tb.s_step};
   for (int i = 0; i < kSample; ++i) key_values[6 + i] = tb.coef[(count - 1) * i / (kSample - 1)];
-  std::string key(sizeof(void*) + sizeof(key_values), '\0');
-  std::memcpy(&key[0], &tb.coef, sizeof(void*));
-  std::memcpy(&key[sizeof(void*)], key_values, sizeof(key_values));
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  auto pairs = std::make_shared<const std::vector<float>>(make_pair_table(tb));
-  if (cache.size() >= 16) cache.clear();  // tables are few; bound the memory anyway
-  cache.emplace(key, pairs);
-  return pairs;
+  return cached_per_table<std::vector<float>>(
+      tb.coef, key_values, 16, [&tb] { return std::make_shared<const std::vector<float>>(make_pair_table(tb)); });
 }
 
 CpuTables attach_tables(BandParams& band, bool per_token) {
