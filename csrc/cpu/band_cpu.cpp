@@ -86,8 +86,13 @@ CpuTables attach_tables(BandParams& band, bool per_token) {
   CpuTables keep;
   if (!reads_table(band.divergence)) return keep;
   if (per_token) {
-    keep.pairs = pair_table(band.table);
-    band.pairs = keep.pairs->data();
+    // The fused kernels form a pair index (it·row + 2·js) in float: exact below 2^24 (the shipped table: 1e5 floats). A
+    // larger user table keeps the baseline loops, whose indices are 64-bit.
+    const double floats = 2.0 * (band.table.nt + 2) * (band.table.ns + 2);
+    if (floats < 16777216.0) {
+      keep.pairs = pair_table(band.table);
+      band.pairs = keep.pairs->data();
+    }
   } else {
     keep.cells = cell_polys(band);
     band.cell_f = keep.cells->f.data();
