@@ -137,6 +137,7 @@ BANDPO_INLINE void kl_f32_run(const FastRun& run) {
   const float* __restrict cells = band.cell_f;
   const float* __restrict x = run.x;
   const float* __restrict dl = run.delta;
+  const AxisConsts<float> s_axis = axis_consts<float>(tb.s_min, tb.s_step, tb.ns);
   alignas(64) float p[kBlock], one_minus_p[kBlock], t[kBlock], q[kBlock], kap[kBlock], ut[kBlock], us[kBlock];
   alignas(64) float dd[kBlock];
   alignas(64) int it[kBlock], js[kBlock], ok[kBlock];
@@ -150,7 +151,7 @@ BANDPO_INLINE void kl_f32_run(const FastRun& run) {
         ok[i] = delta_valid<float>(tb, dl[start + i]);
         dd[i] = delta_in_range<float>(tb, dl[start + i]);
       }
-      for (int i = 0; i < m; ++i) js[i] = token_s_cell<float>(AxisConsts<float>{}, band.s_axis, dd[i], us[i]);
+      for (int i = 0; i < m; ++i) js[i] = token_s_cell<float>(s_axis, band.s_axis, dd[i], us[i]);
       patches_scalar(tb, it, ut, js, us, q, kap, 0, m);
     } else {
       cell_cubics(cells, it, ut, q, kap, m);
