@@ -104,37 +104,43 @@ struct V {
   // 0, subnormals and negatives -> -inf (a t far beyond the grid either way; negative arguments come only from
   // inputs already marked NaN), +inf -> +inf, NaN -> NaN.
   BANDPO_SIMD_INLINE static F fix_log_specials(F x, F y) {
-    const M special =
-        _mm512_cmp_ps_mask(x, set1(kFloatMinNormal), _CMP_NGE_UQ) | _mm512_cmp_ps_mask(x, set1(kFloatMax), _CMP_GT_OQ);
-    if (!any(special)) return y;
+    if (!any(_mm512_fpclass_ps_mask(x, 0xff))) return y;  // every class but a positive normal: one instruction
     y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, set1(kFloatMinNormal), _CMP_LT_OQ), y, set1(-kInf));
     y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, set1(kFloatMax), _CMP_GT_OQ), y, set1(kInf));
     return _mm512_mask_blend_ps(unord(x, x), y, x);
   }
 
-  // e^x for x <= 89: e^r by its series to r^7 (as exp_f32_reduced), times 2^n by vscalefps where the result is
-  // 2^-126 or more (n held at -125 or more), and below that assembled from its bits as exp_f32 does (no
+  // e^x for x <= 88: e^r by its series to r^7 (as exp_f32_reduced), times 2^n by adding n to the exponent field
+  // where the result is 2^-126 or more (n >= -125), and below that assembled from its bits as exp_f32 does (no
   // floating-point instruction produces or reads a subnormal): y = e^r·2^(n+149) is exact and below 2^24, and the
   // float with the bits round(y) is the correctly rounded result. Below -104 the result is 0; NaN stays NaN.
+  // The scaling is integer arithmetic, not vscalefps: on AMD Zen 4 vscalefps zmm holds an FMA pipe for two
+  // cycles, and the FMA pipes are the ones the kernel's passes load most.
   BANDPO_SIMD_INLINE static F exp(F x) {
     F n, r, poly;
-    exp_reduce(x, n, r, poly);
-    return exp_scale(n, fmadd(r, poly, set1(1.0f)));
+    __m512i shift;
+    exp_reduce(x, n, shift, r, poly);
+    return exp_scale(n, shift, fmadd(r, poly, set1(1.0f)));
   }
   // e^x, and expm1(x) for x <= 2^-9 (the log-probabilities prob_terms_v reads; n <= 0 there): from the same
   // reduction, e^x - 1 = 2^n·(e^r - 1) + (2^n - 1) with e^r - 1 = r·poly, one rounding of a sum whose terms do not
   // cancel (|2^n·(e^r - 1)| <= 0.41·2^n against 1 - 2^n >= 1/2 for n < 0; the series itself for n = 0).
   BANDPO_SIMD_INLINE static F exp_expm1(F x, F& em1) {
     F n, r, poly;
-    exp_reduce(x, n, r, poly);
-    const F two_n = _mm512_scalef_ps(set1(1.0f), max(n, set1(-30.0f)));  // below 2^-30, e^x - 1 rounds to -1
+    __m512i shift;
+    exp_reduce(x, n, shift, r, poly);
+    // 2^max(n, -30) from its bits (below 2^-30, e^x - 1 rounds to -1); NaN n: any scale (r·poly is NaN)
+    const __m512i held = _mm512_max_epi32(shift, _mm512_set1_epi32(-30 << 23));
+    const F two_n = _mm512_castsi512_ps(_mm512_add_epi32(held, _mm512_set1_epi32(127 << 23)));
     em1 = fmadd(two_n, mul(r, poly), sub(two_n, set1(1.0f)));
-    return exp_scale(n, fmadd(r, poly, set1(1.0f)));
+    return exp_scale(n, shift, fmadd(r, poly, set1(1.0f)));
   }
-  // x = n·ln 2 + r (x held at -104 or more, NaN kept), and poly with e^r = 1 + r·poly (the series to r^7).
-  BANDPO_SIMD_INLINE static void exp_reduce(F& x, F& n, F& r, F& poly) {
-    x = max(set1(-104.0f), x);  // max(c, NaN) is NaN
+  // x = n·ln 2 + r (x held in [-104, 88], NaN kept), n·2^23 as an integer (the exponent field's increment), and
+  // poly with e^r = 1 + r·poly (the series to r^7).
+  BANDPO_SIMD_INLINE static void exp_reduce(F& x, F& n, __m512i& shift, F& r, F& poly) {
+    x = min(set1(88.0f), max(set1(-104.0f), x));  // NaN passes (second operands)
     n = _mm512_roundscale_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    shift = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);  // NaN: 0x80000000 << 23 = 0
     r = _mm512_fnmadd_ps(n, set1(kLn2Hi), x);
     r = _mm512_fnmadd_ps(n, set1(kLn2Lo), r);
     F s = fmadd(r, set1(1.0f / 5040), set1(1.0f / 720));
@@ -144,12 +150,14 @@ struct V {
     s = fmadd(r, s, set1(0.5f));
     poly = fmadd(r, s, set1(1.0f));
   }
-  // s·2^n without a subnormal operand or result on the way (see exp above).
-  BANDPO_SIMD_INLINE static F exp_scale(F n, F s) {
-    const F normal = _mm512_scalef_ps(s, max(n, set1(-125.0f)));  // NaN n: -125 (s is NaN)
-    const F y = _mm512_scalef_ps(s, add(min(n, set1(-126.0f)), set1(149.0f)));
+  // s·2^n (s = e^r in [0.70, 1.42], n in [-150, 127]) without a subnormal operand or result on the way (see exp
+  // above): n added to s's exponent field, exact where the result is normal; 149 more, and the bits rounded from
+  // that float, where it is not (the sums wrap modulo 2^32 only in lanes the other branch takes).
+  BANDPO_SIMD_INLINE static F exp_scale(F n, __m512i shift, F s) {
+    const __m512i normal = _mm512_add_epi32(_mm512_castps_si512(s), shift);
+    const F y = _mm512_castsi512_ps(_mm512_add_epi32(normal, _mm512_set1_epi32(149 << 23)));
     const F tiny = _mm512_castsi512_ps(_mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    return blend(lt(n, set1(-125.5f)), normal, tiny);
+    return blend(lt(n, set1(-125.5f)), _mm512_castsi512_ps(normal), tiny);  // NaN n: normal (s is NaN)
   }
   // q_up and κ at t (clamped onto the grid; NaN goes to its first node): cell c = floor((t - t_min)/width),
   // offset v = t - (t_min + c·width), exact for the shipped grid; then the degree-6 polynomials in v.
