@@ -114,8 +114,8 @@ struct V {
   // where the result is 2^-126 or more (n >= -125), and below that assembled from its bits as exp_f32 does (no
   // floating-point instruction produces or reads a subnormal): y = e^r·2^(n+149) is exact and below 2^24, and the
   // float with the bits round(y) is the correctly rounded result. Below -104 the result is 0; NaN stays NaN.
-  // The scaling is integer arithmetic, not vscalefps: on AMD Zen 4 vscalefps zmm holds an FMA pipe for two
-  // cycles, and the FMA pipes are the ones the kernel's passes load most.
+  // The scaling is integer arithmetic, not vscalefps: on AMD Zen 4 vscalefps runs at half the FMA's rate on the FMA
+  // pipes, which the kernel's passes load most, while integer adds run beside them (tools/cpu_ports.py).
   BANDPO_SIMD_INLINE static F exp(F x) {
     F n, r, poly;
     __m512i shift;
