@@ -125,10 +125,10 @@ struct V {
     return add(logc, fmadd(mul(r, r), log_series(r), r));
   }
 
-  // e^x for x <= 88.7 (NaN stays NaN, below -104 gives 0): the series of exp_f32_reduced, then, as exp_f32 does,
-  // 2^n applied in two halves where the result is 2^-126 or more (n held at -125 or more), and below that the
+  // e^x for x <= 88 (NaN stays NaN, below -104 gives 0): the series of exp_f32_reduced, then, as the AVX-512 type's
+  // exp does, 2^n added to the exponent field where the result is 2^-126 or more (n >= -125), and below that the
   // result assembled from its bits (y = e^r·2^(n+149), exact and below 2^24; the float with the bits round(y)):
-  // no floating-point instruction produces or reads a subnormal.
+  // no floating-point instruction produces or reads a subnormal, and no multiplication is spent on the scaling.
   BANDPO_SIMD_INLINE static F exp(F x) {
     F n, r, poly;
     exp_reduce(x, n, r, poly);
@@ -143,9 +143,9 @@ struct V {
     em1 = fmadd(two_n, mul(r, poly), sub(two_n, set1(1.0f)));
     return exp_scale(n, fmadd(r, poly, set1(1.0f)));
   }
-  // x = n·ln 2 + r (x held in [-104, 88.7], NaN kept), and poly with e^r = 1 + r·poly (the series to r^7).
+  // x = n·ln 2 + r (x held in [-104, 88], NaN kept), and poly with e^r = 1 + r·poly (the series to r^7).
   BANDPO_SIMD_INLINE static void exp_reduce(F& x, F& n, F& r, F& poly) {
-    x = min(set1(88.7f), max(set1(-104.0f), x));  // NaN passes (second operands)
+    x = min(set1(88.0f), max(set1(-104.0f), x));  // NaN passes (second operands)
     n = _mm256_round_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     r = _mm256_fnmadd_ps(n, set1(kLn2Hi), x);
     r = _mm256_fnmadd_ps(n, set1(kLn2Lo), r);
@@ -156,17 +156,16 @@ struct V {
     s = fmadd(r, s, set1(0.5f));
     poly = fmadd(r, s, set1(1.0f));
   }
-  // s·2^n without a subnormal operand or result on the way (see exp above).
+  // s·2^n (s = e^r in [0.70, 1.42], n in [-150, 127]) without a subnormal operand or result on the way (see exp
+  // above): n added to s's exponent field, exact where the result is normal (elsewhere the integer sum wraps, in
+  // lanes the select drops; NaN n: 0x80000000 << 23 = 0 keeps s's NaN); for the others s·2^(n+149) with n held in
+  // [-150, -126], a normal float in every lane (AVX2 has no way to keep a conversion from flagging an operand).
   BANDPO_SIMD_INLINE static F exp_scale(F n, F s) {
-    const __m256i ni = _mm256_cvtps_epi32(n);  // NaN: 0x80000000, whose scales are irrelevant (s is NaN)
-    const __m256i nn = _mm256_max_epi32(ni, _mm256_set1_epi32(-125));
-    const __m256i n1 = _mm256_srai_epi32(nn, 1), n2 = _mm256_sub_epi32(nn, n1);
-    const __m256i bias = _mm256_set1_epi32(127);
-    const F s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
-    const F s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-    const F normal = mul(mul(s, s1), s2);
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const F normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(s), _mm256_slli_epi32(ni, 23)));
     const __m256i ns = _mm256_max_epi32(_mm256_min_epi32(ni, _mm256_set1_epi32(-126)), _mm256_set1_epi32(-150));
-    const F y = mul(s, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ns, _mm256_set1_epi32(149 + 127)), 23)));
+    const F y = _mm256_castsi256_ps(
+        _mm256_add_epi32(_mm256_castps_si256(s), _mm256_slli_epi32(_mm256_add_epi32(ns, _mm256_set1_epi32(149)), 23)));
     const F tiny = _mm256_castsi256_ps(_mm256_cvtps_epi32(y));  // to nearest even (MXCSR's default)
     return blend(lt(n, set1(-125.5f)), normal, tiny);
   }
