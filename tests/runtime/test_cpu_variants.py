@@ -80,6 +80,37 @@ for log_input in (False, True):
         lo3, up3 = bandpo_lut.bounds(delta=d32[start:start + 21], **{key: x[start:start + 21]})
         assert same(lo3, lo[start:start + 21]) and same(up3, up[start:start + 21]), (log_input, start)
 out["worst"] = worst
+# A block with no element beyond the grid skips the tails' pass (and the p = 1 select): its tokens get the same bits
+# as in a block that runs it. p on the grid (|t| <= 13) in whole blocks, then one element beyond (p = 1e-9, p = 1,
+# 1 - p tiny) put in at several places, and NaN there too: every other token unchanged.
+g0 = np.random.default_rng(13)
+p_in = torch.sigmoid(torch.from_numpy(g0.uniform(-13.0, 13.0, 1024))).float()
+d_in = torch.from_numpy(np.exp(g0.uniform(math.log(1e-3), 0.0, 1024))).float()
+for log_input in (False, True):
+    key = "log_p_old" if log_input else "p_old"
+    for delta in (0.05, d_in):
+        base = torch.log(p_in) if log_input else p_in
+        lo, up = bandpo_lut.bounds(delta=delta, **{key: base})
+        for where in (0, 17, 255, 256, 300, 1023):
+            for odd in (1e-9, 1.0, 1 - 2 ** -24, float("nan")):
+                x = p_in.clone()
+                x[where] = odd
+                x = torch.log(x) if log_input else x
+                lo1, up1 = bandpo_lut.bounds(delta=delta, **{key: x})
+                keep = torch.arange(1024) != where
+                assert torch.equal(lo1[keep].view(torch.int32), lo[keep].view(torch.int32)), (log_input, where, odd)
+                assert torch.equal(up1[keep].view(torch.int32), up[keep].view(torch.int32)), (log_input, where, odd)
+                one = slice(where, where + 1)
+                d1 = delta[one] if torch.is_tensor(delta) else delta
+                rlo, rup = ref_bounds(delta=d1.double() if torch.is_tensor(d1) else d1, **{key: x[one].double()})
+                if math.isnan(odd):
+                    assert lo1[one].isnan().all() and up1[one].isnan().all()
+                    continue
+                eu, el = accuracy.float32_worst(lo1[one].numpy(), up1[one].numpy(), rlo.numpy(), rup.numpy())
+                assert eu <= 6e-7 and el <= 3e-7, (log_input, where, odd, eu, el)
+                alone = bandpo_lut.bounds(delta=d1, **{key: x[one]})
+                assert torch.equal(alone[0].view(torch.int32), lo1[one].view(torch.int32)), (log_input, where, odd)
+                assert torch.equal(alone[1].view(torch.int32), up1[one].view(torch.int32)), (log_input, where, odd)
 # mpmath at a few hundred points, scalar δ = 0.05, p input
 pm, _ = accuracy.sample_points(400, 1e-3, 1.0, seed=11)
 pm32 = torch.from_numpy(pm).float()
