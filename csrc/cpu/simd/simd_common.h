@@ -22,6 +22,7 @@ constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kFloatMinNormal = 1.17549435e-38f;
 constexpr float kFloatMax = 3.40282347e+38f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kProbScale = 16777216.0f;  // 2^24: quotients by p are of p·2^24, finite for subnormal p (kl_finish)
 constexpr std::int32_t kExponentMask = static_cast<std::int32_t>(0xff800000u);  // sign and exponent bits
 
 // log(z) for z in [kLogOff, 2·kLogOff): 2^BITS subintervals (the top BITS mantissa bits of z's offset from
