@@ -131,22 +131,26 @@ struct V {
   // no floating-point instruction produces or reads a subnormal, and no multiplication is spent on the scaling.
   BANDPO_SIMD_INLINE static F exp(F x) {
     F n, r, poly;
-    exp_reduce(x, n, r, poly);
-    return exp_scale(n, fmadd(r, poly, set1(1.0f)));
+    __m256i ni;
+    exp_reduce(x, n, ni, r, poly);
+    return exp_scale(n, ni, fmadd(r, poly, set1(1.0f)));
   }
   // e^x, and expm1(x) for x <= 2^-9 (as the AVX-512 type's exp_expm1).
   BANDPO_SIMD_INLINE static F exp_expm1(F x, F& em1) {
     F n, r, poly;
-    exp_reduce(x, n, r, poly);
-    const __m256i nc = _mm256_max_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(-30));  // below 2^-30: -1
+    __m256i ni;
+    exp_reduce(x, n, ni, r, poly);
+    const __m256i nc = _mm256_max_epi32(ni, _mm256_set1_epi32(-30));  // below 2^-30: -1
     const F two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(nc, _mm256_set1_epi32(127)), 23));
     em1 = fmadd(two_n, mul(r, poly), sub(two_n, set1(1.0f)));
-    return exp_scale(n, fmadd(r, poly, set1(1.0f)));
+    return exp_scale(n, ni, fmadd(r, poly, set1(1.0f)));
   }
-  // x = n·ln 2 + r (x held in [-104, 88], NaN kept), and poly with e^r = 1 + r·poly (the series to r^7).
-  BANDPO_SIMD_INLINE static void exp_reduce(F& x, F& n, F& r, F& poly) {
+  // x = n·ln 2 + r (x held in [-104, 88], NaN kept), n as an integer (NaN: 0x80000000), and poly with
+  // e^r = 1 + r·poly (the series to r^7).
+  BANDPO_SIMD_INLINE static void exp_reduce(F& x, F& n, __m256i& ni, F& r, F& poly) {
     x = min(set1(88.0f), max(set1(-104.0f), x));  // NaN passes (second operands)
     n = _mm256_round_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    ni = _mm256_cvtps_epi32(n);
     r = _mm256_fnmadd_ps(n, set1(kLn2Hi), x);
     r = _mm256_fnmadd_ps(n, set1(kLn2Lo), r);
     F s = fmadd(r, set1(1.0f / 5040), set1(1.0f / 720));
@@ -160,8 +164,7 @@ struct V {
   // above): n added to s's exponent field, exact where the result is normal (elsewhere the integer sum wraps, in
   // lanes the select drops; NaN n: 0x80000000 << 23 = 0 keeps s's NaN); for the others s·2^(n+149) with n held in
   // [-150, -126], a normal float in every lane (AVX2 has no way to keep a conversion from flagging an operand).
-  BANDPO_SIMD_INLINE static F exp_scale(F n, F s) {
-    const __m256i ni = _mm256_cvtps_epi32(n);
+  BANDPO_SIMD_INLINE static F exp_scale(F n, __m256i ni, F s) {
     const F normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(s), _mm256_slli_epi32(ni, 23)));
     const __m256i ns = _mm256_max_epi32(_mm256_min_epi32(ni, _mm256_set1_epi32(-126)), _mm256_set1_epi32(-150));
     const F y = _mm256_castsi256_ps(
