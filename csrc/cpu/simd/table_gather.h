@@ -142,9 +142,10 @@ __attribute__((target("avx2,fma"))) inline void cell_cubics_avx2(const float* __
 // Σ w_a·w_b·c_ab = c_11 + Σ w_a·w_b·(c_ab - c_11), the weights summing to 1. In float the weights' own rounding
 // (their sum is 1 only to a few ulp) and the sixteen roundings of the sum then act on differences of a few per cent
 // of the value rather than on the value: the bound's float error falls from ~4e-7 to ~1e-7 relative.
-// The coefficient (1, 1) is taken from row 1's register (one permute), not loaded again: an iteration's loads (~90
-// for 8 elements) fill the load queue, so fewer loads let more of the next iteration issue (AMD EPYC, through the
-// op, random p and δ: ~4% less time; replacing the 32 weight broadcasts by in-register permutes as well cost 6%).
+// The coefficient (1, 1) is taken from row 1's register (one permute), not loaded twice more: an iteration's loads
+// (~90 for 8 elements when it was loaded, ~74 now) fill the load queue, so fewer loads let more of the next iteration
+// issue (AMD EPYC, through the op, random p and δ: ~4% less time; replacing the 32 weight broadcasts by in-register
+// permutes as well cost 6%: the shuffle pipes are the other limit).
 __attribute__((target("avx2,fma"), always_inline)) inline void pair_patches_avx2(
     const float* __restrict pairs, int row, const int* __restrict idx, const float* const wt[4],
     const float* const ws[4], float* __restrict q, float* __restrict kap, int m) {
