@@ -101,11 +101,11 @@ for log_input in (False, True):
                 assert torch.equal(lo1[keep].view(torch.int32), lo[keep].view(torch.int32)), (log_input, where, odd)
                 assert torch.equal(up1[keep].view(torch.int32), up[keep].view(torch.int32)), (log_input, where, odd)
                 one = slice(where, where + 1)
-                d1 = delta[one] if torch.is_tensor(delta) else delta
-                rlo, rup = ref_bounds(delta=d1.double() if torch.is_tensor(d1) else d1, **{key: x[one].double()})
                 if math.isnan(odd):
                     assert lo1[one].isnan().all() and up1[one].isnan().all()
                     continue
+                d1 = delta[one] if torch.is_tensor(delta) else delta
+                rlo, rup = ref_bounds(delta=d1.double() if torch.is_tensor(d1) else d1, **{key: x[one].double()})
                 eu, el = accuracy.float32_worst(lo1[one].numpy(), up1[one].numpy(), rlo.numpy(), rup.numpy())
                 assert eu <= 6e-7 and el <= 3e-7, (log_input, where, odd, eu, el)
                 alone = bandpo_lut.bounds(delta=d1, **{key: x[one]})
