@@ -140,9 +140,10 @@ __attribute__((target("avx2,fma"))) inline void cell_cubics_avx2(const float* __
 //
 // The sum is taken of the differences from the patch's coefficient (1, 1) and that coefficient added last:
 // Σ w_a·w_b·c_ab = c_11 + Σ w_a·w_b·(c_ab - c_11), the products w_a·w_b summing to 1 (the kernels pass t weights 6
-// times the B-spline's and s weights 1/6 of theirs: kl_simd_body.inc bspline_weights_v). In float the weights' rounding
-// (their sum is 1 only to a few ulp) and the sixteen roundings of the sum then act on differences of a few per cent
-// of the value rather than on the value: the bound's float error falls from ~4e-7 to ~1e-7 relative.
+// times the B-spline's and s weights 1/6 of theirs: kl_simd_body.inc bspline_weights6_v). In float the weights'
+// rounding (their products sum to 1 only to a few ulp) and the sixteen roundings of the sum then act on differences
+// of a few per cent of the value rather than on the value: the bound's float error falls from ~4e-7 to ~1e-7
+// relative.
 // The coefficient (1, 1) is taken from row 1's register (one permute), not loaded twice more: an iteration's loads
 // (~90 for 8 elements when it was loaded, ~74 now) fill the load queue, so fewer loads let more of the next iteration
 // issue (AMD EPYC, through the op, random p and δ: ~4% less time; replacing the 32 weight broadcasts by in-register
