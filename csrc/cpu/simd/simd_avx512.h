@@ -159,6 +159,9 @@ struct V {
     const F tiny = _mm512_castsi512_ps(_mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     return blend(lt(n, set1(-125.5f)), _mm512_castsi512_ps(normal), tiny);  // NaN n: normal (s is NaN)
   }
+  // The table read is a chain of register permutes and FMAs, no loads: one pass (kl_simd_body.inc, kl_run).
+  static constexpr bool kIndexPass = false;
+
   // q_up and κ at t (clamped onto the grid; NaN goes to its first node): cell c = floor((t - t_min)/width),
   // offset v = t - (t_min + c·width), exact for the shipped grid; then the degree-6 polynomials in v.
   BANDPO_SIMD_INLINE static void read_table(const Tables& w, const Grid& g, F t, F& q, F& kappa) {
@@ -176,6 +179,13 @@ struct V {
       kappa =
           fmadd(kappa, v, _mm512_permutex2var_ps(_mm512_load_ps(&w.kappa[j][0]), idx, _mm512_load_ps(&w.kappa[j][16])));
     }
+  }
+
+  // The per-token δ patches (table_gather.h).
+  BANDPO_SIMD_INLINE static void read_patches(const float* pairs, int row, const std::int32_t* idx,
+                                              const float* const wt[4], const float* const ws[4], float* q,
+                                              float* kappa, int m) {
+    pair_patches_avx2(pairs, row, idx, wt, ws, q, kappa, m);
   }
 };
 

@@ -11,7 +11,7 @@
 #include "bandpo_math.h"
 #include "macros.h"  // BANDPO_SIMD_INLINE
 #include "cpu/band_cpu.h"
-#include "cpu/simd/table_gather.h"  // cubics_from_rows; included here, outside the per-ISA pragmas
+#include "cpu/simd/table_gather.h"  // cubics_from_cells; included here, outside the per-ISA pragmas
 #include "cpu/simd/wide_cells.h"
 
 namespace bandpo {

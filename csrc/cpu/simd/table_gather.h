@@ -1,8 +1,9 @@
 // The table reads of the CPU band loops (the one part the compiler will not vectorise), for elements whose cell
-// indices and fractions are already computed: per element, the cubics of its t cell (scalar δ: the blocked loops'
-// cell_cubics, with whole-row loads and an 8x8 transpose where the CPU has AVX2+FMA, checked at run time) or the
-// 4x4 B-spline patches of its (t, s) cell (per-token δ: patches_scalar in the blocked loops of the baseline ISA,
-// pair_patches_avx2 in the fused kernels, from the pair table whose patch rows are single 256-bit loads).
+// indices and fractions are already computed: per element, the cubics of its t cell (scalar δ: cubics_from_cells, for
+// the blocked loops' cell_cubics where the CPU has AVX2+FMA, checked at run time, and for the fused AVX2 kernel) or
+// the 4x4 B-spline patches of its (t, s) cell (per-token δ: patches_scalar in the blocked loops of the baseline ISA;
+// in the fused kernels, from the pair table whose patch rows are 256-bit runs, pair_patches_avx2 for AVX-512 and
+// pair_patches_lanes_avx2 for AVX2).
 #pragma once
 
 #include <cstdint>
@@ -101,17 +102,40 @@ __attribute__((target("avx2,fma"), always_inline)) inline void transpose8x8(__m2
   r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-// The two cell cubics of 8 elements from their cells' 8-coefficient rows r0..r7 (row k = element k's
-// [q0..q3, κ0..κ3]): an 8x8 transpose, then q = c0 + u·(c1 + u·(c2 + u·c3)) and κ alike. Shared by the blocked
-// loops (cell_cubics_avx2) and the fused AVX2 kernel (simd_avx2.h).
-__attribute__((target("avx2,fma"), always_inline)) inline void cubics_from_rows(__m256 r0, __m256 r1, __m256 r2,
-                                                                                __m256 r3, __m256 r4, __m256 r5,
-                                                                                __m256 r6, __m256 r7, __m256 u,
-                                                                                __m256& q, __m256& kap) {
-  __m256 c[8] = {r0, r1, r2, r3, r4, r5, r6, r7};
-  transpose8x8(c);  // c[j] = coefficient j of the 8 elements
+// Four registers of 8 floats, each holding two elements' 4-vectors (element e in the low 128 bits, element e + 4 in
+// the high ones), transposed within the 128-bit lanes: on return x[j] holds component j of elements 0..3 in its low
+// lane and of elements 4..7 in its high lane, i.e. of the 8 elements in order. Only in-lane shuffles: an 8x8
+// transpose of whole rows needs 8 lane-crossing permutes (vperm2f128: 8 µops each on AMD Zen 1, the one shuffle
+// port on Intel), which loading the rows as 128-bit halves beside each other avoids (lane_pair).
+__attribute__((target("avx2,fma"), always_inline)) inline void transpose4x4_lanes(__m256 x[4]) {
+  const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
+  x[0] = _mm256_shuffle_ps(t0, t2, 0x44);
+  x[1] = _mm256_shuffle_ps(t0, t2, 0xEE);
+  x[2] = _mm256_shuffle_ps(t1, t3, 0x44);
+  x[3] = _mm256_shuffle_ps(t1, t3, 0xEE);
+}
+
+// The 4 floats at lo and the 4 at hi as one register [lo | hi]: a load and an insert from memory (no shuffle port
+// on Intel; 2 µops on AMD Zen 1).
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 lane_pair(const float* lo, const float* hi) {
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(lo)), _mm_loadu_ps(hi), 1);
+}
+
+// The two cell cubics of 8 elements whose 8-coefficient rows ([q0..q3, κ0..κ3]) start at a[0..7], at fractions u:
+// the rows read as 128-bit halves in lane pairs and transposed in lanes, then q = c0 + u·(c1 + u·(c2 + u·c3)) and
+// κ alike. Shared by the blocked loops (cell_cubics_avx2) and the fused AVX2 kernel (simd_avx2.h).
+__attribute__((target("avx2,fma"), always_inline)) inline void cubics_from_cells(const float* const a[8], __m256 u,
+                                                                                 __m256& q, __m256& kap) {
+  __m256 c[4], k[4];
+  for (int e = 0; e < 4; ++e) {
+    c[e] = lane_pair(a[e], a[e + 4]);
+    k[e] = lane_pair(a[e] + 4, a[e + 4] + 4);
+  }
+  transpose4x4_lanes(c);  // c[j] = q coefficient j of the 8 elements
+  transpose4x4_lanes(k);
   q = _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, c[3], c[2]), c[1]), c[0]);
-  kap = _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, c[7], c[6]), c[5]), c[4]);
+  kap = _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, k[3], k[2]), k[1]), k[0]);
 }
 
 __attribute__((target("avx2,fma"))) inline void cell_cubics_avx2(const float* __restrict cells,
@@ -119,13 +143,10 @@ __attribute__((target("avx2,fma"))) inline void cell_cubics_avx2(const float* __
                                                                  float* __restrict q, float* __restrict kap, int m) {
   int i = 0;
   for (; i + 8 <= m; i += 8) {
-    __m256 r0 = _mm256_loadu_ps(cells + 8 * it[i + 0]), r1 = _mm256_loadu_ps(cells + 8 * it[i + 1]);
-    __m256 r2 = _mm256_loadu_ps(cells + 8 * it[i + 2]), r3 = _mm256_loadu_ps(cells + 8 * it[i + 3]);
-    __m256 r4 = _mm256_loadu_ps(cells + 8 * it[i + 4]), r5 = _mm256_loadu_ps(cells + 8 * it[i + 5]);
-    __m256 r6 = _mm256_loadu_ps(cells + 8 * it[i + 6]), r7 = _mm256_loadu_ps(cells + 8 * it[i + 7]);
-    const __m256 u = _mm256_loadu_ps(ut + i);
+    const float* a[8];
+    for (int e = 0; e < 8; ++e) a[e] = cells + 8 * it[i + e];
     __m256 qv, kv;
-    cubics_from_rows(r0, r1, r2, r3, r4, r5, r6, r7, u, qv, kv);
+    cubics_from_cells(a, _mm256_loadu_ps(ut + i), qv, kv);
     _mm256_storeu_ps(q + i, qv);
     _mm256_storeu_ps(kap + i, kv);
   }
@@ -186,6 +207,67 @@ __attribute__((target("avx2,fma"), always_inline)) inline void pair_patches_avx2
     kv = _mm256_fmadd_ps(w2, r[5], kv);
     _mm256_storeu_ps(q + i, _mm256_add_ps(q_base, _mm256_fmadd_ps(w3, r[6], qv)));
     _mm256_storeu_ps(kap + i, _mm256_add_ps(k_base, _mm256_fmadd_ps(w3, r[7], kv)));
+  }
+}
+
+// One pair of pair_patches_lanes_avx2: elements e = E and E + 4 of the group at idx, whose t weights are lanes E and
+// E + 4 of wt_v. lo = their row sums at s offsets 0-1 ([q0 κ0 q1 κ1], element E in the low lane, E + 4 in the high),
+// hi at 2-3, base = [q κ q κ] of their coefficients (1, 1).
+template <int E>
+__attribute__((target("avx2,fma"), always_inline)) inline void pair_row_sums_lanes(const float* __restrict pairs,
+                                                                                   int row, const int* __restrict idx,
+                                                                                   const __m256 wt_v[4], __m256& lo,
+                                                                                   __m256& hi, __m256& base) {
+  const float* b0 = pairs + idx[E];
+  const float* b1 = pairs + idx[E + 4];
+  const __m256 lo1 = lane_pair(b0 + row, b1 + row);
+  base = _mm256_permute_ps(lo1, 0xEE);              // the pair at floats 2, 3 of row 1, twice in each lane
+  __m256 w = _mm256_permute_ps(wt_v[0], 0x55 * E);  // element E's weight in the low lane, E + 4's in the high
+  __m256 acc_lo = _mm256_mul_ps(w, _mm256_sub_ps(lane_pair(b0, b1), base));
+  __m256 acc_hi = _mm256_mul_ps(w, _mm256_sub_ps(lane_pair(b0 + 4, b1 + 4), base));
+  w = _mm256_permute_ps(wt_v[1], 0x55 * E);
+  acc_lo = _mm256_fmadd_ps(w, _mm256_sub_ps(lo1, base), acc_lo);
+  acc_hi = _mm256_fmadd_ps(w, _mm256_sub_ps(lane_pair(b0 + row + 4, b1 + row + 4), base), acc_hi);
+  w = _mm256_permute_ps(wt_v[2], 0x55 * E);
+  acc_lo = _mm256_fmadd_ps(w, _mm256_sub_ps(lane_pair(b0 + 2 * row, b1 + 2 * row), base), acc_lo);
+  acc_hi = _mm256_fmadd_ps(w, _mm256_sub_ps(lane_pair(b0 + 2 * row + 4, b1 + 2 * row + 4), base), acc_hi);
+  w = _mm256_permute_ps(wt_v[3], 0x55 * E);
+  lo = _mm256_fmadd_ps(w, _mm256_sub_ps(lane_pair(b0 + 3 * row, b1 + 3 * row), base), acc_lo);
+  hi = _mm256_fmadd_ps(w, _mm256_sub_ps(lane_pair(b0 + 3 * row + 4, b1 + 3 * row + 4), base), acc_hi);
+}
+
+// pair_patches_avx2 with every shuffle inside 128-bit lanes, for CPUs whose lane-crossing permutes are slow (AMD
+// Zen 1 splits a 256-bit operation in two and runs vperm2f128 as 8 µops, vpermpd as 3; Intel runs both on its one
+// shuffle port): the fused AVX2 kernel's read. The same sums in the same order, so the same bits. Elements e and
+// e + 4 of a group of 8 share registers: each patch row is read as two 128-bit halves (s offsets 0-1 and 2-3, both
+// planes), element e's beside element e + 4's (lane_pair), and the t weights of the two are taken from the group's
+// weight vector by an in-lane permute instead of two broadcasts; the row sums then need only in-lane transposes.
+__attribute__((target("avx2,fma"), always_inline)) inline void pair_patches_lanes_avx2(
+    const float* __restrict pairs, int row, const int* __restrict idx, const float* const wt[4],
+    const float* const ws[4], float* __restrict q, float* __restrict kap, int m) {
+  for (int i = 0; i < m; i += 8) {
+    const __m256 wt_v[4] = {_mm256_loadu_ps(wt[0] + i), _mm256_loadu_ps(wt[1] + i), _mm256_loadu_ps(wt[2] + i),
+                            _mm256_loadu_ps(wt[3] + i)};
+    __m256 lo[4], hi[4], base[4];
+    pair_row_sums_lanes<0>(pairs, row, idx + i, wt_v, lo[0], hi[0], base[0]);
+    pair_row_sums_lanes<1>(pairs, row, idx + i, wt_v, lo[1], hi[1], base[1]);
+    pair_row_sums_lanes<2>(pairs, row, idx + i, wt_v, lo[2], hi[2], base[2]);
+    pair_row_sums_lanes<3>(pairs, row, idx + i, wt_v, lo[3], hi[3], base[3]);
+    // Transposed in lanes: lo[0] = the 8 elements' q row sums at s offset 0, lo[1] their κ ones, lo[2], lo[3] the
+    // same at s offset 1; hi[0..3] at 2 and 3. The bases alike, into q and κ.
+    transpose4x4_lanes(lo);
+    transpose4x4_lanes(hi);
+    const __m256 c0 = _mm256_unpacklo_ps(base[0], base[1]), c1 = _mm256_unpacklo_ps(base[2], base[3]);
+    const __m256 q_base = _mm256_shuffle_ps(c0, c1, 0x44), k_base = _mm256_shuffle_ps(c0, c1, 0xEE);
+    const __m256 w0 = _mm256_loadu_ps(ws[0] + i), w1 = _mm256_loadu_ps(ws[1] + i);
+    const __m256 w2 = _mm256_loadu_ps(ws[2] + i), w3 = _mm256_loadu_ps(ws[3] + i);
+    __m256 qv = _mm256_mul_ps(w0, lo[0]), kv = _mm256_mul_ps(w0, lo[1]);
+    qv = _mm256_fmadd_ps(w1, lo[2], qv);
+    kv = _mm256_fmadd_ps(w1, lo[3], kv);
+    qv = _mm256_fmadd_ps(w2, hi[0], qv);
+    kv = _mm256_fmadd_ps(w2, hi[1], kv);
+    _mm256_storeu_ps(q + i, _mm256_add_ps(q_base, _mm256_fmadd_ps(w3, hi[2], qv)));
+    _mm256_storeu_ps(kap + i, _mm256_add_ps(k_base, _mm256_fmadd_ps(w3, hi[3], kv)));
   }
 }
 
