@@ -50,30 +50,10 @@ template <class Fn> double per_element(Fn fn, long reps) {
   }
   return best;
 }
-// The table read over a block as the kernel's pass 2 does it: in one loop, or in two (cells, then rows) where the
-// vector type reads rows from memory (V::kIndexPass).
+// The table read over a block as the kernel's pass 2 does it (kl_simd_body.inc table_pass: one loop, or cells then
+// rows where the vector type reads rows from memory), its values stored.
 alignas(64) static float u_b[B];
 alignas(64) static std::int32_t off_b[B];
-template <class V>
-void read_table_block(const typename V::Tables& tables, const typename V::Grid& g) {
-  const typename V::Tail full = V::tail(V::kLanes);
-  if constexpr (V::kIndexPass) {
-    for (int i = 0; i < B; i += V::kLanes) V::table_index(g, V::load(in1 + i, full), off_b + i, u_b + i);
-    for (int i = 0; i < B; i += V::kLanes) {
-      typename V::F q, kap;
-      V::table_rows(tables, off_b + i, V::load(u_b + i, full), q, kap);
-      V::store(out0 + i, full, q);
-      V::store(out1 + i, full, kap);
-    }
-  } else {
-    for (int i = 0; i < B; i += V::kLanes) {
-      typename V::F q, kap;
-      V::read_table(tables, g, V::load(in1 + i, full), q, kap);
-      V::store(out0 + i, full, q);
-      V::store(out1 + i, full, kap);
-    }
-  }
-}
 // Each piece over one L1-resident block, then the whole kernel over n elements from memory.
 #define ROW(NS, NAME, BODY) printf("%-8s %-50s %6.2f\n", #NS, NAME, per_element([&] { BODY; }, 20000))
 #define LOOP(EXPR) for (int i = 0; i < B; i += V::kLanes) EXPR
@@ -89,7 +69,14 @@ void read_table_block(const typename V::Tables& tables, const typename V::Grid& 
     ROW(NS, "division", LOOP(V::store(out0 + i, full, V::div(in(in0, i), in(in1, i)))));           \
     ROW(NS, "log (table-driven)", LOOP(V::store(out0 + i, full, V::log(in(in0, i), k))));          \
     ROW(NS, "exp", LOOP(V::store(out0 + i, full, V::exp(V::sub(V::set1(0.0f), in(in0, i))))));     \
-    ROW(NS, "table read (q and kappa)", read_table_block<V>(TABLES, g));                          \
+    const auto table_block = [&] {                                                                  \
+      F t_least = V::set1(kInf), t_most = V::set1(-kInf);                                           \
+      NS::table_pass<V>(TABLES, g, B, in1, off_b, u_b, t_least, t_most, [&](int i, F q, F kap) {    \
+        V::store(out0 + i, full, q);                                                                \
+        V::store(out1 + i, full, kap);                                                              \
+      });                                                                                           \
+    };                                                                                              \
+    ROW(NS, "table read (q and kappa)", table_block());                                             \
     band.wide = &w;                                                                                 \
     FastRun run{&band, &c, xs.data(), nullptr, rs.data(), nullptr, nullptr, os.data(), n};          \
     for (int clip = 0; clip < 2; ++clip)                                                            \

@@ -153,6 +153,23 @@ __attribute__((target("avx2,fma"))) inline void cell_cubics_avx2(const float* __
   cell_cubics_scalar(cells, it, ut, q, kap, i, m);
 }
 
+// The last step of both patch reads for a group of 8 elements at i: r[2b] = their q row sums at s offset b, r[2b + 1]
+// their κ ones, each element in its lane; the s weights applied across them and the coefficients (1, 1) added.
+__attribute__((target("avx2,fma"), always_inline)) inline void store_patch_sums(const __m256 r[8], __m256 q_base,
+                                                                                __m256 k_base, const float* const ws[4],
+                                                                                int i, float* __restrict q,
+                                                                                float* __restrict kap) {
+  const __m256 w0 = _mm256_loadu_ps(ws[0] + i), w1 = _mm256_loadu_ps(ws[1] + i);
+  const __m256 w2 = _mm256_loadu_ps(ws[2] + i), w3 = _mm256_loadu_ps(ws[3] + i);
+  __m256 qv = _mm256_mul_ps(w0, r[0]), kv = _mm256_mul_ps(w0, r[1]);
+  qv = _mm256_fmadd_ps(w1, r[2], qv);
+  kv = _mm256_fmadd_ps(w1, r[3], kv);
+  qv = _mm256_fmadd_ps(w2, r[4], qv);
+  kv = _mm256_fmadd_ps(w2, r[5], kv);
+  _mm256_storeu_ps(q + i, _mm256_add_ps(q_base, _mm256_fmadd_ps(w3, r[6], qv)));
+  _mm256_storeu_ps(kap + i, _mm256_add_ps(k_base, _mm256_fmadd_ps(w3, r[7], kv)));
+}
+
 // The per-token δ table read of the fused KL kernels (kl_simd_body.inc), from the pair table (PairGrid): an
 // element's two 4x4 patches are four 256-bit rows (the 4 coefficients of a patch row in both planes, interleaved),
 // which its t weights combine; the row sums of 8 elements are transposed and their s weights applied across the
@@ -198,15 +215,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void pair_patches_avx2
         _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(p0, p1, 0x88)), 0xD8));  // [q0 q1 q4 q5 | q2 q3 q6 q7]
     const __m256 k_base =
         _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(p0, p1, 0xDD)), 0xD8));
-    const __m256 w0 = _mm256_loadu_ps(ws[0] + i), w1 = _mm256_loadu_ps(ws[1] + i);
-    const __m256 w2 = _mm256_loadu_ps(ws[2] + i), w3 = _mm256_loadu_ps(ws[3] + i);
-    __m256 qv = _mm256_mul_ps(w0, r[0]), kv = _mm256_mul_ps(w0, r[1]);
-    qv = _mm256_fmadd_ps(w1, r[2], qv);
-    kv = _mm256_fmadd_ps(w1, r[3], kv);
-    qv = _mm256_fmadd_ps(w2, r[4], qv);
-    kv = _mm256_fmadd_ps(w2, r[5], kv);
-    _mm256_storeu_ps(q + i, _mm256_add_ps(q_base, _mm256_fmadd_ps(w3, r[6], qv)));
-    _mm256_storeu_ps(kap + i, _mm256_add_ps(k_base, _mm256_fmadd_ps(w3, r[7], kv)));
+    store_patch_sums(r, q_base, k_base, ws, i, q, kap);
   }
 }
 
@@ -248,26 +257,17 @@ __attribute__((target("avx2,fma"), always_inline)) inline void pair_patches_lane
   for (int i = 0; i < m; i += 8) {
     const __m256 wt_v[4] = {_mm256_loadu_ps(wt[0] + i), _mm256_loadu_ps(wt[1] + i), _mm256_loadu_ps(wt[2] + i),
                             _mm256_loadu_ps(wt[3] + i)};
-    __m256 lo[4], hi[4], base[4];
-    pair_row_sums_lanes<0>(pairs, row, idx + i, wt_v, lo[0], hi[0], base[0]);
-    pair_row_sums_lanes<1>(pairs, row, idx + i, wt_v, lo[1], hi[1], base[1]);
-    pair_row_sums_lanes<2>(pairs, row, idx + i, wt_v, lo[2], hi[2], base[2]);
-    pair_row_sums_lanes<3>(pairs, row, idx + i, wt_v, lo[3], hi[3], base[3]);
-    // Transposed in lanes: lo[0] = the 8 elements' q row sums at s offset 0, lo[1] their κ ones, lo[2], lo[3] the
-    // same at s offset 1; hi[0..3] at 2 and 3. The bases alike, into q and κ.
-    transpose4x4_lanes(lo);
-    transpose4x4_lanes(hi);
+    __m256 r[8], base[4];  // r[e]: pair e's row sums at s offsets 0-1, r[4 + e] at 2-3
+    pair_row_sums_lanes<0>(pairs, row, idx + i, wt_v, r[0], r[4], base[0]);
+    pair_row_sums_lanes<1>(pairs, row, idx + i, wt_v, r[1], r[5], base[1]);
+    pair_row_sums_lanes<2>(pairs, row, idx + i, wt_v, r[2], r[6], base[2]);
+    pair_row_sums_lanes<3>(pairs, row, idx + i, wt_v, r[3], r[7], base[3]);
+    // Transposed in lanes: r[0] = the 8 elements' q row sums at s offset 0, r[1] their κ ones, r[2], r[3] the same
+    // at s offset 1; r[4..7] at 2 and 3 (store_patch_sums' order). The bases alike, into q and κ.
+    transpose4x4_lanes(r);
+    transpose4x4_lanes(r + 4);
     const __m256 c0 = _mm256_unpacklo_ps(base[0], base[1]), c1 = _mm256_unpacklo_ps(base[2], base[3]);
-    const __m256 q_base = _mm256_shuffle_ps(c0, c1, 0x44), k_base = _mm256_shuffle_ps(c0, c1, 0xEE);
-    const __m256 w0 = _mm256_loadu_ps(ws[0] + i), w1 = _mm256_loadu_ps(ws[1] + i);
-    const __m256 w2 = _mm256_loadu_ps(ws[2] + i), w3 = _mm256_loadu_ps(ws[3] + i);
-    __m256 qv = _mm256_mul_ps(w0, lo[0]), kv = _mm256_mul_ps(w0, lo[1]);
-    qv = _mm256_fmadd_ps(w1, lo[2], qv);
-    kv = _mm256_fmadd_ps(w1, lo[3], kv);
-    qv = _mm256_fmadd_ps(w2, hi[0], qv);
-    kv = _mm256_fmadd_ps(w2, hi[1], kv);
-    _mm256_storeu_ps(q + i, _mm256_add_ps(q_base, _mm256_fmadd_ps(w3, hi[2], qv)));
-    _mm256_storeu_ps(kap + i, _mm256_add_ps(k_base, _mm256_fmadd_ps(w3, hi[3], kv)));
+    store_patch_sums(r, _mm256_shuffle_ps(c0, c1, 0x44), _mm256_shuffle_ps(c0, c1, 0xEE), ws, i, q, kap);
   }
 }
 
