@@ -122,6 +122,16 @@ struct V {
     exp_reduce(x, n, shift, r, poly);
     return exp_scale(n, shift, fmadd(r, poly, set1(1.0f)));
   }
+  // exp and exp_expm1 of K vectors (kl_simd_body.inc): one at a time; the AVX2 type says why it interleaves them.
+  static constexpr int kExpGroup = 1;
+  template <int K>
+  BANDPO_SIMD_INLINE static void exp_group(F (&x)[K]) {
+    for (int j = 0; j < K; ++j) x[j] = exp(x[j]);
+  }
+  template <int K>
+  BANDPO_SIMD_INLINE static void exp_expm1_group(F (&x)[K], F (&em1)[K]) {
+    for (int j = 0; j < K; ++j) x[j] = exp_expm1(x[j], em1[j]);
+  }
   // e^x, and expm1(x) for x <= 2^-9 (the log-probabilities prob_terms_v reads; n <= 0 there): from the same
   // reduction, e^x - 1 = 2^n·(e^r - 1) + (2^n - 1) with e^r - 1 = r·poly, one rounding of a sum whose terms do not
   // cancel (|2^n·(e^r - 1)| <= 0.41·2^n against 1 - 2^n >= 1/2 for n < 0; the series itself for n = 0).
