@@ -31,6 +31,7 @@ BANDPO_HD float sqrt_any(float x) { return sqrtf(x); }
 BANDPO_HD double sqrt_any(double x) { return sqrt(x); }
 
 struct WideCells;  // csrc/cpu/simd/wide_cells.h
+struct BitCells;   // csrc/cpu/simd/bit_cells.h
 
 // The table as the kernels see it. Plain data: pointers and sizes only, no at::Tensor.
 struct TableView {
@@ -87,6 +88,7 @@ struct BandParams {
   const float* cell_f;    // scalar δ, KL: [nt - 1][8] power-basis cubics per t cell (q_up, κ), float
   const double* cell_d;   // the same in double, for float64 inputs
   const WideCells* wide;  // CPU only (csrc/cpu/simd/wide_cells.h): the same re-cut into 32 wide cells, or null
+  const BitCells* bits;   // CPU only (csrc/cpu/simd/bit_cells.h): the same re-cut into cells in p's bits, or null
   const float* pairs;     // CPU only, per-token δ, KL: the table with its planes interleaved (table_gather.h), or null
   TokenSAxis s_axis;      // the table's s axis for a per-token float δ (token_s_axis, on the host)
   ClosedDelta<float> closed_f[3];  // closed forms in float: the scalar δ, δ_min, δ_max (closed_delta, on the host)

@@ -40,7 +40,7 @@ static double now() {
   return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 constexpr int B = 256;
-alignas(64) static float in0[B], in1[B], out0[B], out1[B];
+alignas(64) static float in0[B], in1[B], in2[B], out0[B], out1[B];  // in1: t; in2: signed x (AVX2)
 template <class Fn> double per_element(Fn fn, long reps) {
   double best = 1e9;
   for (int r = 0; r < 5; ++r) {
@@ -57,7 +57,7 @@ alignas(64) static std::int32_t off_b[B];
 // Each piece over one L1-resident block, then the whole kernel over n elements from memory.
 #define ROW(NS, NAME, BODY) printf("%-8s %-50s %6.2f\n", #NS, NAME, per_element([&] { BODY; }, 20000))
 #define LOOP(EXPR) for (int i = 0; i < B; i += V::kLanes) EXPR
-#define PIECES(NS, TABLES)                                                                          \
+#define PIECES(NS, TABLES, AT)                                                                       \
   {                                                                                                 \
     using V = NS::V;                                                                                \
     using F = V::F;                                                                                 \
@@ -71,7 +71,7 @@ alignas(64) static std::int32_t off_b[B];
     ROW(NS, "exp", LOOP(V::store(out0 + i, full, V::exp(V::sub(V::set1(0.0f), in(in0, i))))));     \
     const auto table_block = [&] {                                                                  \
       F t_least = V::set1(kInf), t_most = V::set1(-kInf);                                           \
-      NS::table_pass<V>(TABLES, g, B, in1, off_b, u_b, t_least, t_most, [&](int i, F q, F kap) {    \
+      NS::table_pass<V>(TABLES, g, B, AT, off_b, u_b, t_least, t_most, [&](int i, F q, F kap) {     \
         V::store(out0 + i, full, q);                                                                \
         V::store(out1 + i, full, kap);                                                              \
       });                                                                                           \
@@ -99,7 +99,11 @@ int main(int argc, char** argv) {
   const long n = std::atol(argv[1]);
   const bool avx512 = argc > 2 && std::string(argv[2]) == "avx512";
   std::mt19937 gen(1); std::uniform_real_distribution<float> U(0, 1);
-  for (int i = 0; i < B; ++i) { in0[i] = 0.001f + U(gen); in1[i] = -13.0f + 26.0f * U(gen); }
+  for (int i = 0; i < B; ++i) {
+    in0[i] = 0.001f + U(gen);
+    in1[i] = -13.0f + 26.0f * U(gen);
+    in2[i] = (i % 2 ? -0.5f : 0.5f) * std::exp(-13.0f * U(gen));
+  }
   std::vector<float> xs(n), ls(n), rs(n), os(n), us(n), cells(448 * 8);
   for (long i = 0; i < n; ++i) {
     ls[i] = -10.0f * U(gen);
@@ -114,11 +118,13 @@ int main(int argc, char** argv) {
   band.max_ratio = 10, band.table.t_min = -14, band.table.t_step = 0.0625, band.table.nt = 449;
   band.cell_f = cells.data();
   const DeltaConsts<float> c = delta_consts<float>(0.05f);
-  const avx2::V::Tables narrow{cells.data(), -14.0f, 14.0f, 0.0625f, 16.0f, 447};
+  std::vector<float> bit_cells(2 * 321 * 8);  // cells in p's bits (bit_cells.h), the shipped grid's geometry
+  for (size_t i = 0; i < bit_cells.size(); ++i) bit_cells[i] = (i % 4 == 0) ? 0.5f : 0.01f;
+  const avx2::V::Tables narrow{bit_cells.data(), 321, (127 - 21) << 4, 8.3152e-7f};
 #if defined(__AVX512F__)
-  if (avx512) PIECES(avx512, w)
+  if (avx512) PIECES(avx512, w, in1)
 #endif
-  PIECES(avx2, narrow)
+  PIECES(avx2, narrow, in2)
 }
 """
 

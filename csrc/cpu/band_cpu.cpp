@@ -66,6 +66,8 @@ std::shared_ptr<const CellPolys> cell_polys(const BandParams& band) {
     for (size_t i = 0; i < polys->d.size(); ++i) polys->f[i] = static_cast<float>(polys->d[i]);
     auto wide = std::make_unique<WideCells>();
     if (fit_wide_cells(band.table, polys->d.data(), *wide)) polys->wide = std::move(wide);
+    auto bits = std::make_unique<BitCells>();
+    if (fit_bit_cells(band.table, polys->d.data(), *bits)) polys->bits = std::move(bits);
     return std::shared_ptr<const CellPolys>(std::move(polys));
   });
 }
@@ -98,6 +100,7 @@ CpuTables attach_tables(BandParams& band, bool per_token) {
     band.cell_f = keep.cells->f.data();
     band.cell_d = keep.cells->d.data();
     band.wide = keep.cells->wide.get();
+    band.bits = keep.cells->bits.get();
   }
   return keep;
 }
@@ -227,20 +230,15 @@ BANDPO_INLINE void f32_contiguous_loops(const FastRun& run, bool log_input, bool
 }
 
 #if defined(BANDPO_HAVE_KL_SIMD)
-// The narrow cells and their grid, for the AVX2 kernel.
-avx2::V::Tables narrow_cells(const BandParams& band) {
-  const TableView& tb = band.table;
-  return {band.cell_f,
-          static_cast<float>(tb.t_min),
-          static_cast<float>(tb.t_min + (tb.nt - 1) * tb.t_step),
-          static_cast<float>(tb.t_step),
-          static_cast<float>(1.0 / tb.t_step),
-          tb.nt - 2};
+// The cells in p's bits and their geometry, for the AVX2 kernel.
+avx2::V::Tables bit_cells(const BandParams& band) {
+  const BitCells& b = *band.bits;
+  return {b.cells.data(), b.side_cells, b.base, b.x_lo};
 }
 #endif
 
 // One variant's code for a run: KL with a scalar δ goes to the variant's intrinsics kernel where it has one
-// (AVX-512: when the wide-cell fit exists; AVX2: the narrow cells), everything else to the blocked loops,
+// (AVX-512: when the wide-cell fit exists; AVX2: when the cells in p's bits fit), everything else to the blocked loops,
 // compiled for the variant's ISA (BANDPO_CPU_VARIANTS).
 template <CpuVariant V>
 BANDPO_INLINE void f32_contiguous_body(const FastRun& run, bool log_input, bool clip, bool token) {
@@ -253,8 +251,7 @@ BANDPO_INLINE void f32_contiguous_body(const FastRun& run, bool log_input, bool 
     }
   }
   if constexpr (V == CpuVariant::kAvx2) {
-    if (kl && !token && run.band->cell_f != nullptr)
-      return avx2::kl_scalar(run, narrow_cells(*run.band), log_input, clip);
+    if (kl && !token && run.band->bits != nullptr) return avx2::kl_scalar(run, bit_cells(*run.band), log_input, clip);
     if (kl && token && run.band->pairs != nullptr) {
       return avx2::kl_token(run, pair_grid(*run.band), log_input, clip);
     }

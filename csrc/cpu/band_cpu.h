@@ -7,6 +7,7 @@
 
 #include "bandpo_math.h"
 #include "macros.h"
+#include "cpu/simd/bit_cells.h"
 #include "cpu/simd/wide_cells.h"
 
 namespace bandpo {
@@ -15,7 +16,8 @@ namespace bandpo {
 struct CellPolys {
   std::vector<float> f;
   std::vector<double> d;
-  std::unique_ptr<WideCells> wide;  // the same re-cut for the SIMD kernel; null where the fit misses
+  std::unique_ptr<WideCells> wide;  // the same re-cut for the AVX-512 kernel; null where the fit misses
+  std::unique_ptr<BitCells> bits;   // the same re-cut for the AVX2 kernel; null where the fit misses
 };
 std::shared_ptr<const CellPolys> cell_polys(const BandParams& band);
 

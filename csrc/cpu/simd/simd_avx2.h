@@ -20,14 +20,15 @@ struct V {
   struct Consts {
     F invc, logc;  // the 8-entry log table (simd_common.h)
   };
-  struct Tables {  // the narrow cells (cell_polys) and their grid
+  struct Tables {  // the cells in p's bits (bit_cells.h) and their geometry
     const float* cells;
-    float t_min, t_max, step, inv_step;
-    int last_cell;
+    int side_cells;
+    std::int32_t base;
+    float x_lo;
   };
   struct Grid {
-    F t_min, t_max, step, inv_step;
-    __m256i last_cell;
+    __m256i base, last_cell, side_cells;
+    F x_lo;
   };
 
   BANDPO_SIMD_INLINE static F set1(float v) { return _mm256_set1_ps(v); }
@@ -82,7 +83,12 @@ struct V {
     return {_mm256_loadu_ps(lt.invc), _mm256_loadu_ps(lt.logc)};
   }
   BANDPO_SIMD_INLINE static Grid grid(const Tables& tb) {
-    return {set1(tb.t_min), set1(tb.t_max), set1(tb.step), set1(tb.inv_step), _mm256_set1_epi32(tb.last_cell)};
+    return {_mm256_set1_epi32(tb.base), _mm256_set1_epi32(tb.side_cells - 1), _mm256_set1_epi32(tb.side_cells),
+            set1(tb.x_lo)};
+  }
+  // The lanes whose sign bit is set, as a mask.
+  BANDPO_SIMD_INLINE static M sign_set(F x) {
+    return _mm256_castsi256_ps(_mm256_srai_epi32(_mm256_castps_si256(x), 31));
   }
 
   // log x as in the AVX-512 type, with an 8-entry table (|r| <= 1/16) and a degree-6 series (truncation < 6e-10).
@@ -209,15 +215,21 @@ struct V {
   // loads, the transpose, the cubics, then the bounds' division) outlasts what the out-of-order window overlaps on
   // smaller cores (AMD Zen 1: 2.4 ns per element for the read alone against 0.6 + 1.1 as two passes).
   static constexpr bool kIndexPass = true;
+  // The scalar-δ cells are in p's bits (bit_cells.h): the first pass gives x = min(p, 1 - p) signed by its side
+  // (kl_simd_body.inc prob_pass), not t.
+  static constexpr bool kBitCells = true;
 
-  // axis_cell on the grid for t (clamped onto it; NaN goes to its first cell): off[0..7] = the cells' row offsets
-  // in floats, u[0..7] = the exact fractions.
-  BANDPO_SIMD_INLINE static void table_index(const Grid& g, F t, std::int32_t* off, float* u) {
-    const F tc = min(max(t, g.t_min), g.t_max);  // NaN -> t_min
-    __m256i cell = _mm256_cvttps_epi32(mul(sub(tc, g.t_min), g.inv_step));
-    cell = _mm256_min_epi32(cell, g.last_cell);
-    const F start = add(g.t_min, mul(_mm256_cvtepi32_ps(cell), g.step));  // exact: a dyadic step
-    _mm256_storeu_ps(u, min(max(mul(sub(tc, start), g.inv_step), set1(0.0f)), set1(1.0f)));
+  // The cell of each lane's signed x (negative: p > 1/2), clamped into its side's cells (x below the first cell, 0
+  // and NaN read a cell the tails or the NaN overwrite): off[0..7] = the cells' row offsets in floats, u[0..7] = the
+  // fractions, the mantissa bits below the cell's (exact).
+  BANDPO_SIMD_INLINE static void table_index(const Grid& g, F x, std::int32_t* off, float* u) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+    __m256i cell = _mm256_sub_epi32(_mm256_srli_epi32(mag, BitCells::kShift), g.base);
+    cell = _mm256_min_epi32(_mm256_max_epi32(cell, _mm256_setzero_si256()), g.last_cell);
+    cell = _mm256_add_epi32(cell, _mm256_and_si256(_mm256_srai_epi32(bits, 31), g.side_cells));
+    const __m256i low = _mm256_and_si256(mag, _mm256_set1_epi32((1 << BitCells::kShift) - 1));
+    _mm256_storeu_ps(u, mul(_mm256_cvtepi32_ps(low), set1(1.0f / (1 << BitCells::kShift))));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(off), _mm256_slli_epi32(cell, 3));
   }
   // q_up and κ from the cells table_index chose: the cell cubics read as rows and transposed (cubics_from_cells,

@@ -171,6 +171,7 @@ struct V {
   }
   // The table read is a chain of register permutes and FMAs, no loads: one pass (kl_simd_body.inc, kl_run).
   static constexpr bool kIndexPass = false;
+  static constexpr bool kBitCells = false;  // the wide cells are in t
 
   // q_up and κ at t (clamped onto the grid; NaN goes to its first node): cell c = floor((t - t_min)/width),
   // offset v = t - (t_min + c·width), exact for the shipped grid; then the degree-6 polynomials in v.

@@ -42,10 +42,10 @@ inline void narrow_cells_at(const TableView& tb, const double* cell_d, double t,
   kappa = a[4] + u * (a[5] + u * (a[6] + u * a[7]));
 }
 
-// Solve the (kDegree+1)^2 Vandermonde system V·c = y in place (Gaussian elimination with partial pivoting;
-// the nodes are Chebyshev points in [0, width], so the system is small and well conditioned).
-inline void solve_vandermonde(const double* nodes, double* y, double* c) {
-  constexpr int n = WideCells::kDegree + 1;
+// Solve the n×n Vandermonde system V·c = y (Gaussian elimination with partial pivoting; the nodes are Chebyshev
+// points of a short interval, so the system is small and well conditioned).
+template <int n>
+inline void solve_vandermonde(const double* nodes, const double* y, double* c) {
   double a[n][n + 1];
   for (int i = 0; i < n; ++i) {
     double pw = 1.0;
@@ -85,8 +85,8 @@ inline bool fit_wide_cells(const TableView& tb, const double* cell_d, WideCells&
     const double start = std::fma(static_cast<float>(c), out.width, out.t_min);  // as the kernel computes it
     double yq[n], yk[n], cq[n], ck[n];
     for (int i = 0; i < n; ++i) narrow_cells_at(tb, cell_d, start + nodes[i], yq[i], yk[i]);
-    solve_vandermonde(nodes, yq, cq);
-    solve_vandermonde(nodes, yk, ck);
+    solve_vandermonde<n>(nodes, yq, cq);
+    solve_vandermonde<n>(nodes, yk, ck);
     for (int j = 0; j < n; ++j) {
       out.q[j][c] = static_cast<float>(cq[j]);
       out.kappa[j][c] = static_cast<float>(ck[j]);

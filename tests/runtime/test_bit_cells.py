@@ -1,0 +1,89 @@
+"""The scalar-δ KL band where a kernel reads cells in p's float bits (csrc/cpu/simd/bit_cells.h; the AVX2 kernel):
+at every place where the cell arithmetic could go wrong, against mpmath. Those places are the cells' own edges (each
+binade of x = min(p, 1 - p) and its 16 cells, an ulp either side), p = 1/2 where the two sides meet, and x_lo, where
+the cells end and the tails begin (|t| = 14, an ulp either side, and the cell that holds x_lo, fitted on its part
+above it). Each CPU variant this machine runs is forced in its own process, so the variants whose kernels read cells
+in t are checked at the same points."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import fresh_env
+
+import bandpo_lut  # noqa: F401  (the compiled library must load before facts() is asked)
+from bandpo_lut.runtime import _extension
+from bandpo_lut.tables import accuracy, exact
+
+ORDER = ["baseline", "avx2", "avx512"]
+SUPPORTED = ORDER[: ORDER.index(_extension.facts()["cpu"]["isa"]) + 1]
+
+
+def edge_points() -> np.ndarray:
+    """float32 probabilities at the cells' edges, p = 1/2 and x_lo, on both sides (p <= 1/2 and p > 1/2)."""
+    f32 = np.float32
+    xs = []
+    for e in range(-21, -1, 3):                 # every third binade, each of its 16 cell edges
+        for j in range(16):
+            edge = f32(math.ldexp(1.0 + j / 16.0, e))
+            xs += [np.nextafter(edge, f32(0)), edge, np.nextafter(edge, f32(1))]
+    x_lo = f32(1.0 / (1.0 + math.exp(14.0)))   # where |t| = 14
+    xs += [np.nextafter(x_lo, f32(0)), x_lo, np.nextafter(x_lo, f32(1)), x_lo * f32(0.97), x_lo * f32(1.03)]
+    xs = np.array(xs, dtype=np.float32)
+    ps = np.concatenate([xs, f32(1) - xs[xs >= f32(2.0 ** -24)]])  # 1 - x exact for these
+    half = f32(0.5)
+    ps = np.concatenate([ps, [np.nextafter(half, f32(0)), half, np.nextafter(half, f32(1))]]).astype(np.float32)
+    return np.unique(ps)
+
+
+CHILD = r"""
+import json, sys
+import torch, bandpo_lut
+from bandpo_lut.runtime import _extension
+p, logp = (torch.tensor(v, dtype=torch.float32) for v in json.loads(sys.argv[1]))
+out = {"variant": _extension.facts()["cpu"]["variant"]}
+for delta in (1e-3, 0.05, 1.0):
+    for log_input in (False, True):
+        kw = {"log_p_old": logp} if log_input else {"p_old": p}
+        lo, up = bandpo_lut.bounds(delta=delta, **kw)
+        # in a long run too (whole vectors and blocks), each point with neighbours that are not its own
+        reps = torch.cat([kw[k] for k in kw] * 9)
+        lo9, up9 = bandpo_lut.bounds(delta=delta, **{next(iter(kw)): reps})
+        same = torch.equal(lo9.view(9, -1), lo.expand(9, -1)) and torch.equal(up9.view(9, -1), up.expand(9, -1))
+        out[f"{delta}/{int(log_input)}"] = [lo.double().tolist(), up.double().tolist(), same]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def truth():
+    p = edge_points()
+    logp = np.log(p.astype(np.float64)).astype(np.float32)  # the float32 log-probabilities given
+    out = {}
+    for delta in (1e-3, 0.05, 1.0):
+        out[(delta, 0)] = accuracy.exact_bounds_f64(p.astype(np.float64), np.full(len(p), delta), "kl")
+        # a log-probability's truth is at p = exp(log p) exactly, 1 - p = -expm1(log p)
+        lo_up = [exact.bounds_from_logp(float(x), delta, "kl") for x in logp.astype(np.float64)]
+        out[(delta, 1)] = (np.array([float(a) for a, _ in lo_up]), np.array([float(b) for _, b in lo_up]))
+    return p, logp, out
+
+
+@pytest.mark.parametrize("variant", SUPPORTED)
+def test_cell_edges_half_and_grid_end_against_mpmath(truth, variant):
+    p, logp, exact_bounds = truth
+    env = fresh_env()
+    env["BANDPO_LUT_CPU_VARIANT"] = variant
+    inputs = json.dumps([p.astype(np.float64).tolist(), logp.astype(np.float64).tolist()])
+    res = subprocess.run([sys.executable, "-c", CHILD, inputs], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert got["variant"] == variant
+    for (delta, log_input), (rlo, rup) in exact_bounds.items():
+        lo, up, same = got[f"{delta}/{log_input}"]
+        assert same, (variant, delta, log_input)
+        eu, el = accuracy.float32_worst(np.array(lo), np.array(up), rlo, rup)
+        assert eu <= 7e-7 and el <= 3e-7, (variant, delta, log_input, eu, el)
