@@ -87,3 +87,46 @@ def test_cell_edges_half_and_grid_end_against_mpmath(truth, variant):
         assert same, (variant, delta, log_input)
         eu, el = accuracy.float32_worst(np.array(lo), np.array(up), rlo, rup)
         assert eu <= 7e-7 and el <= 3e-7, (variant, delta, log_input, eu, el)
+
+
+@pytest.mark.parametrize("delta", [1e-3, 0.05, 1.0])
+def test_the_shipped_table_fits_cells_in_p_bits(delta):
+    """The kernel reads cells in p's bits only where their fit to the spline is within 1e-7 (bit_cells.h; else it
+    keeps cells in t, silently slower): the shipped table must fit, here refitted in numpy as the header describes
+    (16 cells per binade of x from x_lo's binade to x = 1/2, the first cell on its part above x_lo, cubics through 4
+    Chebyshev nodes), checked at 9 points per cell against the reference reader's spline."""
+    import torch
+
+    from bandpo_lut.tables import store
+    from bandpo_lut.tables.reader import _spline_eval
+
+    table = store.get("kl")
+    coef = table.coefficients("cpu", torch.float64)
+    t_max = table.t.max
+    x_lo = float(np.float32(1.0 / (1.0 + math.exp(t_max))))
+    if x_lo < 1.0 / (1.0 + math.exp(t_max)):
+        x_lo = float(np.nextafter(np.float32(x_lo), np.float32(1)))
+    e_first = math.frexp(x_lo)[1] - 1
+    cells = np.arange((-1 - e_first) * 16 + 1)
+    x0 = np.ldexp(1.0 + (cells % 16) / 16.0, e_first + cells // 16)
+    w = np.ldexp(1.0 / 16.0, e_first + cells // 16)
+    f_lo = np.clip((x_lo - x0) / w, 0.0, None)
+    used = f_lo < 1.0
+    x0, w, f_lo = x0[used], w[used], f_lo[used]
+    nodes = f_lo[:, None] + (1 - f_lo[:, None]) * (0.5 - 0.5 * np.cos((2 * np.arange(4) + 1) * np.pi / 8))
+    checks = f_lo[:, None] + (1 - f_lo[:, None]) * np.arange(9) / 8.0
+    worst = 0.0
+    for side in (0, 1):
+        def spline(f):
+            x = x0[:, None] + w[:, None] * f
+            t = np.clip((1 - 2 * side) * (np.log(x) - np.log1p(-x)), table.t.min, t_max)
+            tt = torch.from_numpy(t.ravel())
+            s = torch.full_like(tt, math.log(delta))
+            return [_spline_eval(coef[k], table.t, table.s, tt, s).numpy().reshape(t.shape) for k in (0, 1)]
+        at_nodes, at_checks = spline(nodes), spline(checks)
+        vander = nodes[:, :, None] ** np.arange(4)
+        for k in (0, 1):
+            c = np.linalg.solve(vander, at_nodes[k][:, :, None])[:, :, 0]
+            fit = (checks[:, :, None] ** np.arange(4) * c[:, None, :]).sum(-1)
+            worst = max(worst, float(np.max(np.abs(fit / at_checks[k] - 1))))
+    assert worst <= 1e-7, worst

@@ -254,8 +254,8 @@ def cpu_kernel_line() -> str:
     variant = cpu.get("variant")
     if variant is None:
         return f"CPU kernels: vector ISA {cpu['isa']}; {cpu.get('variant_error')}"
-    kl = ("fused AVX-512 wide-cell kernel" if variant == "avx512"
-          else f"blocked loops for {CPU_VARIANT_TARGETS[variant]}")
+    fused = {"avx512": "fused AVX-512 kernel, wide cells in t", "avx2": "fused AVX2 kernel, cells in p's bits"}
+    kl = fused.get(variant, f"blocked loops for {CPU_VARIANT_TARGETS[variant]}")
     return (f"CPU kernels: vector ISA {cpu['isa']}, variant {variant} (kl scalar delta: {kl}; "
             f"other rows: blocked loops for {CPU_VARIANT_TARGETS[variant]})")
 
