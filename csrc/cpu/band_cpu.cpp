@@ -67,7 +67,7 @@ std::shared_ptr<const CellPolys> cell_polys(const BandParams& band) {
     auto wide = std::make_unique<WideCells>();
     if (fit_wide_cells(band.table, polys->d.data(), *wide)) polys->wide = std::move(wide);
     auto bits = std::make_unique<BitCells>();
-    if (fit_bit_cells(band.table, polys->d.data(), *bits)) polys->bits = std::move(bits);
+    if (fit_bit_cells(band.table, polys->d.data(), band.delta, *bits)) polys->bits = std::move(bits);
     return std::shared_ptr<const CellPolys>(std::move(polys));
   });
 }
@@ -233,7 +233,7 @@ BANDPO_INLINE void f32_contiguous_loops(const FastRun& run, bool log_input, bool
 // The cells in p's bits and their geometry, for the AVX2 kernel.
 avx2::V::Tables bit_cells(const BandParams& band) {
   const BitCells& b = *band.bits;
-  return {b.cells.data(), b.side_cells, b.base, b.x_lo};
+  return {b.cells.data(), b.side_cells, b.base, b.x_lo, b.x_cell};
 }
 #endif
 

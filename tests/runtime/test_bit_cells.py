@@ -1,9 +1,10 @@
 """The scalar-δ KL band where a kernel reads cells in p's float bits (csrc/cpu/simd/bit_cells.h; the AVX2 kernel):
 at every place where the cell arithmetic could go wrong, against mpmath. Those places are the cells' own edges (each
-binade of x = min(p, 1 - p) and its 16 cells, an ulp either side), p = 1/2 where the two sides meet, and x_lo, where
-the cells end and the tails begin (|t| = 14, an ulp either side, and the cell that holds x_lo, fitted on its part
-above it). Each CPU variant this machine runs is forced in its own process, so the variants whose kernels read cells
-in t are checked at the same points."""
+binade of x = min(p, 1 - p) and its 16 cells, an ulp either side, on the grid and in the upper bound's tail down to
+the smallest normal float), p = 1/2 where the two sides meet, and x_lo, where the grid ends (|t| = 14, an ulp either
+side; the cell that holds x_lo is fitted on its part above it, and below x_lo there the tails' pass takes over).
+Each CPU variant this machine runs is forced in its own process, so the variants whose kernels read cells in t are
+checked at the same points."""
 from __future__ import annotations
 
 import json
@@ -27,7 +28,7 @@ def edge_points() -> np.ndarray:
     """float32 probabilities at the cells' edges, p = 1/2 and x_lo, on both sides (p <= 1/2 and p > 1/2)."""
     f32 = np.float32
     xs = []
-    for e in range(-21, -1, 3):                 # every third binade, each of its 16 cell edges
+    for e in [*range(-126, -21, 15), *range(-21, -1, 3)]:  # binades below the grid and on it: each cell's edges
         for j in range(16):
             edge = f32(math.ldexp(1.0 + j / 16.0, e))
             xs += [np.nextafter(edge, f32(0)), edge, np.nextafter(edge, f32(1))]
@@ -91,10 +92,11 @@ def test_cell_edges_half_and_grid_end_against_mpmath(truth, variant):
 
 @pytest.mark.parametrize("delta", [1e-3, 0.05, 1.0])
 def test_the_shipped_table_fits_cells_in_p_bits(delta):
-    """The kernel reads cells in p's bits only where their fit to the spline is within 1e-7 (bit_cells.h; else it
-    keeps cells in t, silently slower): the shipped table must fit, here refitted in numpy as the header describes
-    (16 cells per binade of x from x_lo's binade to x = 1/2, the first cell on its part above x_lo, cubics through 4
-    Chebyshev nodes), checked at 9 points per cell against the reference reader's spline."""
+    """The kernel reads cells in p's bits only where their fit is within 1e-7 (bit_cells.h; else it keeps cells in t,
+    silently slower): the shipped table must fit, here refitted in numpy as the header describes (16 cells per
+    binade of x, cubics through 4 Chebyshev nodes; from x_lo's cell to x = 1/2 the reference reader's spline, that
+    cell on its part above x_lo; below it, on the side p -> 0, the upper bound's tail form), checked at 9 points per
+    cell."""
     import torch
 
     from bandpo_lut.tables import store
@@ -113,6 +115,22 @@ def test_the_shipped_table_fits_cells_in_p_bits(delta):
     f_lo = np.clip((x_lo - x0) / w, 0.0, None)
     used = f_lo < 1.0
     x0, w, f_lo = x0[used], w[used], f_lo[used]
+    # below x_lo's cell, p -> 0: kl_tail_upper (bandpo_math.h) in float64
+    tcells = np.arange((e_first + 126) * 16 + (math.frexp(x_lo)[0] * 32 - 16).__floor__())
+    tx0 = np.ldexp(1.0 + (tcells % 16) / 16.0, -126 + tcells // 16)
+    tw = np.ldexp(1.0 / 16.0, -126 + tcells // 16)
+    rho0 = -math.expm1(-delta)
+    def tail_q(x):
+        t = np.log(x) - np.log1p(-x)
+        pc = np.maximum(x, 1e-30)
+        base = 1 + delta + math.log(rho0) - np.maximum(t, -1000)
+        return rho0 + pc * math.exp(-delta) * (base + pc * math.exp(-delta) * base / rho0)
+    tnodes = 0.5 - 0.5 * np.cos((2 * np.arange(4) + 1) * np.pi / 8)
+    tq = tail_q(tx0[:, None] + tw[:, None] * tnodes)
+    tc = np.linalg.solve(np.broadcast_to(tnodes[:, None] ** np.arange(4), (len(tx0), 4, 4)), tq[:, :, None])[:, :, 0]
+    tchecks = np.arange(9) / 8.0
+    tfit = (tchecks[:, None] ** np.arange(4) * tc[:, None, :]).sum(-1)
+    tail_worst = float(np.max(np.abs(tfit / tail_q(tx0[:, None] + tw[:, None] * tchecks) - 1)))
     nodes = f_lo[:, None] + (1 - f_lo[:, None]) * (0.5 - 0.5 * np.cos((2 * np.arange(4) + 1) * np.pi / 8))
     checks = f_lo[:, None] + (1 - f_lo[:, None]) * np.arange(9) / 8.0
     worst = 0.0
@@ -129,4 +147,4 @@ def test_the_shipped_table_fits_cells_in_p_bits(delta):
             c = np.linalg.solve(vander, at_nodes[k][:, :, None])[:, :, 0]
             fit = (checks[:, :, None] ** np.arange(4) * c[:, None, :]).sum(-1)
             worst = max(worst, float(np.max(np.abs(fit / at_checks[k] - 1))))
-    assert worst <= 1e-7, worst
+    assert worst <= 1e-7 and tail_worst <= 1e-7, (worst, tail_worst)

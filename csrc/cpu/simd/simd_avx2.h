@@ -24,11 +24,11 @@ struct V {
     const float* cells;
     int side_cells;
     std::int32_t base;
-    float x_lo;
+    float x_lo, x_cell;
   };
   struct Grid {
     __m256i base, last_cell, side_cells;
-    F x_lo;
+    F x_lo, x_cell;
   };
 
   BANDPO_SIMD_INLINE static F set1(float v) { return _mm256_set1_ps(v); }
@@ -84,7 +84,16 @@ struct V {
   }
   BANDPO_SIMD_INLINE static Grid grid(const Tables& tb) {
     return {_mm256_set1_epi32(tb.base), _mm256_set1_epi32(tb.side_cells - 1), _mm256_set1_epi32(tb.side_cells),
-            set1(tb.x_lo)};
+            set1(tb.x_lo), set1(tb.x_cell)};
+  }
+  // The lanes of a signed x (prob_pass) that the cells do not cover, for the tails' pass: below x_lo on the side
+  // p > 1/2; on the side p <= 1/2, the part of x_lo's cell below x_lo, and below the smallest normal float (0, and
+  // NaN never: its compares are false). below: p -> 0, above: p -> 1.
+  BANDPO_SIMD_INLINE static void tail_lanes(const Grid& g, F x, M& below, M& above) {
+    const F a = abs(x);
+    const M small = lt(a, g.x_lo), upper_side = sign_set(x);
+    above = mand(upper_side, small);
+    below = mandnot(upper_side, mand(small, mor(le(g.x_cell, a), lt(a, set1(kFloatMinNormal)))));
   }
   // The lanes whose sign bit is set, as a mask.
   BANDPO_SIMD_INLINE static M sign_set(F x) {
