@@ -1,15 +1,16 @@
 #!/usr/bin/env python
-"""How well per-cell cubics in p's float bits would carry the scalar-δ KL band: the design that removes t = logit p
-(a division and a logarithm per element) from the kernels. Not what the kernels do today (they read cubics in t).
+"""How well per-cell cubics in p's float bits carry the scalar-δ KL band: the cells that take t = logit p (a division
+and a logarithm per element) out of the AVX2 kernel (csrc/cpu/simd/bit_cells.h, which fits them the same way and
+checks each at 9 points), here at 64 points per cell and for other cell counts per binade.
 
 The cells: x = min(p, 1 - p) (exact in float arithmetic for p >= 1/2), 2^K cells per binade of x, cell = x's
 exponent and top K mantissa bits, fraction f = the remaining mantissa bits as a float in [0, 1) (exact); one side of
 cells for p <= 1/2, one for p > 1/2. In each cell q_up and κ are cubics in f, here interpolated at 4 Chebyshev nodes
 (float64) from the shipped KL table's spline at the fixed δ. Printed: the worst deviation, over 64 points per cell,
 of those cubics from the spline itself, as the accuracy bars measure errors (upper: relative in q_up, clamped to
-[p, 1]; lower: |ΔL|/(1 + |L|) with L = -(δ/p)κ = ln r_lo). The spline is what the kernels read now, so this is the
-error such cells would add. Binades 2^-20 ... 2^-2 (x = 1/2 is the one point of binade 2^-1); below 2^-20
-(|t| > 13.86) the tails' forms would take over, 0.14 in t before they do today.
+[p, 1]; lower: |ΔL|/(1 + |L|) with L = -(δ/p)κ = ln r_lo). The spline is what cells in t read, so this is the error
+the cells add. Binades 2^-20 ... 2^-2 (x = 1/2 is the one point of binade 2^-1); the kernel's cells also cover x_lo's
+binade (its cell above x_lo only) and, below the grid, the upper bound's tail form (tests/runtime/test_bit_cells.py).
 
 usage: python tools/bit_cells_fit.py [--bits 4] [--deltas 1e-3 0.05 0.3 1]
 """
