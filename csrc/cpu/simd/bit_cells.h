@@ -13,7 +13,7 @@
 // (kl_tail_upper, in double) and κ held at its value at the grid's end, which is what the kernels used there: the
 // lower bound underflows to 0 below x_lo (the reader's float64 check). What the cells do not cover takes the tails'
 // pass: p -> 1 below x_lo, the part of x_lo's cell below x_lo, subnormal p and x = 0. Every fit is checked; a table
-// whose fit misses kBitCellsTolerance, or whose t grid is not symmetric, keeps the narrow cells in t.
+// whose fit misses kBitCellsTolerance, or whose t grid is not symmetric, keeps the blocked loops (cells in t).
 #pragma once
 
 #include <cmath>

@@ -1,7 +1,7 @@
 // The fused KL kernel (scalar δ, float32, contiguous runs): one body (csrc/cpu/simd/kl_simd_body.inc) compiled for
-// AVX-512 (16 lanes, wide cells read by register permutes) and for AVX2+FMA (8 lanes, narrow cells read as rows),
-// each under its own target pragma and namespace. band_cpu.cpp's per-variant entry points (BANDPO_CPU_VARIANTS,
-// csrc/macros.h) call the kernel of their variant; the baseline ISA keeps the blocked loops.
+// AVX-512 (16 lanes, wide cells in t read by register permutes) and for AVX2+FMA (8 lanes, cells in p's bits read as
+// rows), each under its own target pragma and namespace. band_cpu.cpp's per-variant entry points
+// (BANDPO_CPU_VARIANTS, csrc/macros.h) call the kernel of their variant; the baseline ISA keeps the blocked loops.
 //
 // A token's bits do not depend on its position in the run: the last, partial vector runs the same code under a
 // lane mask.

@@ -1,6 +1,7 @@
 // The AVX2+FMA vector type of the fused KL kernel (csrc/cpu/simd/kl_simd_body.inc): 8 float lanes, masks as lanes of
-// all ones, and the table read from the narrow cells (8 coefficients per cell, read as two 128-bit halves and
-// transposed within 128-bit lanes; AVX2 has no permute wide enough for the wide cells, and its gathers are slower).
+// all ones, and the scalar-δ table read from cells in p's float bits (bit_cells.h: 8 coefficients per cell, read as
+// two 128-bit halves and transposed within 128-bit lanes; AVX2 has no permute wide enough for the wide cells, and its
+// gathers are slower).
 // Compiled only under `#pragma GCC target("avx2,fma")` (csrc/cpu/simd/kl_simd.h).
 #pragma once
 
