@@ -192,6 +192,46 @@ BANDPO_HD void collapse_cell(const TableView& tb, int k, int js, const double ws
   }
 }
 
+// The collapsed spline (narrow power-basis cubics `cell_d`, see collapse_cell) at t, in double.
+BANDPO_HD void narrow_cells_at(const TableView& tb, const double* cell_d, double t, double& q, double& kappa) {
+  double u;
+  const int k = axis_cell<double>(t, tb.t_min, tb.t_step, tb.nt, u);
+  const double* a = cell_d + 8 * k;
+  q = a[0] + u * (a[1] + u * (a[2] + u * a[3]));
+  kappa = a[4] + u * (a[5] + u * (a[6] + u * a[7]));
+}
+
+// Solve the n×n Vandermonde system V·c = y (Gaussian elimination with partial pivoting; the nodes are Chebyshev
+// points of a short interval, so the system is small and well conditioned).
+template <int n>
+BANDPO_HD void solve_vandermonde(const double* nodes, const double* y, double* c) {
+  double a[n][n + 1];
+  for (int i = 0; i < n; ++i) {
+    double pw = 1.0;
+    for (int j = 0; j < n; ++j, pw *= nodes[i]) a[i][j] = pw;
+    a[i][n] = y[i];
+  }
+  for (int col = 0; col < n; ++col) {
+    int piv = col;
+    for (int r = col + 1; r < n; ++r)
+      if (fabs(a[r][col]) > fabs(a[piv][col])) piv = r;
+    for (int j = 0; j <= n; ++j) {
+      const double s = a[col][j];
+      a[col][j] = a[piv][j];
+      a[piv][j] = s;
+    }
+    for (int r = col + 1; r < n; ++r) {
+      const double f = a[r][col] / a[col][col];
+      for (int j = col; j <= n; ++j) a[r][j] -= f * a[col][j];
+    }
+  }
+  for (int i = n - 1; i >= 0; --i) {
+    double s = a[i][n];
+    for (int j = i + 1; j < n; ++j) s -= a[i][j] * c[j];
+    c[i] = s / a[i][i];
+  }
+}
+
 // s-axis cell and weights for a scalar δ (host side, double).
 BANDPO_HD int delta_weights(const TableView& tb, double delta, double ws[4]) {
   double u;
