@@ -76,6 +76,18 @@ struct ClosedDelta {
   T sat_lo;  // p* - sat_hi rounded to T
 };
 
+// Where the scalar-δ KL cells in p's bits lie (csrc/kl_bit_cells.h; plain data, for the kernels). Cell k of side s covers the x whose bits >> kShift are
+// first_key + k; side 1's cells follow side 0's.
+struct BitGrid {
+  static constexpr int kBits = 4;            // 2^kBits cells per binade of x
+  static constexpr int kShift = 23 - kBits;  // the mantissa bits below the cell's: the fraction
+  std::int32_t first_key;                    // bits >> kShift of the first cell's start, on both sides
+  int side_cells;                            // per side: from the first cell through the cell of x = 1/2
+  float x_lo;                                // the least x on the grid (|t| <= t_max): a float, rounded up
+  float x_cell;                              // where x_lo's cell begins
+  float x_tail_lo;  // side 0's cells below x_cell begin here (the upper bound's tail); +inf where there are none
+};
+
 // Everything a kernel needs besides the element pointers.
 struct BandParams {
   TableView table;
@@ -89,6 +101,7 @@ struct BandParams {
   const double* cell_d;   // the same in double, for float64 inputs
   const WideCells* wide;  // CPU only (csrc/cpu/simd/wide_cells.h): the same re-cut into 32 wide cells, or null
   const BitCells* bits;   // CPU only (csrc/cpu/simd/bit_cells.h): the same re-cut into cells in p's bits, or null
+  BitGrid bit_grid;       // where the cells in p's bits lie: the CPU's (`bits`), or the GPU's (kCellsBits kernels)
   const float* pairs;     // CPU only, per-token δ, KL: the table with its planes interleaved (table_gather.h), or null
   TokenSAxis s_axis;      // the table's s axis for a per-token float δ (token_s_axis, on the host)
   ClosedDelta<float> closed_f[3];  // closed forms in float: the scalar δ, δ_min, δ_max (closed_delta, on the host)

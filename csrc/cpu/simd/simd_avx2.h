@@ -235,11 +235,11 @@ struct V {
   BANDPO_SIMD_INLINE static void table_index(const Grid& g, F x, std::int32_t* off, float* u) {
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
-    __m256i cell = _mm256_sub_epi32(_mm256_srli_epi32(mag, BitCells::kShift), g.base);
+    __m256i cell = _mm256_sub_epi32(_mm256_srli_epi32(mag, BitGrid::kShift), g.base);
     cell = _mm256_min_epi32(_mm256_max_epi32(cell, _mm256_setzero_si256()), g.last_cell);
     cell = _mm256_add_epi32(cell, _mm256_and_si256(_mm256_srai_epi32(bits, 31), g.side_cells));
-    const __m256i low = _mm256_and_si256(mag, _mm256_set1_epi32((1 << BitCells::kShift) - 1));
-    _mm256_storeu_ps(u, mul(_mm256_cvtepi32_ps(low), set1(1.0f / (1 << BitCells::kShift))));
+    const __m256i low = _mm256_and_si256(mag, _mm256_set1_epi32((1 << BitGrid::kShift) - 1));
+    _mm256_storeu_ps(u, mul(_mm256_cvtepi32_ps(low), set1(1.0f / (1 << BitGrid::kShift))));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(off), _mm256_slli_epi32(cell, 3));
   }
   // q_up and κ from the cells table_index chose: the cell cubics read as rows and transposed (cubics_from_cells,
