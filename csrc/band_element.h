@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "bandpo_math.h"
+#include "kl_bit_cells.h"
 
 namespace bandpo {
 
@@ -124,6 +125,19 @@ BANDPO_HD void kl_token_delta(const BandParams& band, const GridConsts<acc_t>& g
 #endif
 }
 
+// KL with a scalar δ from the cells in p's bits (kl_bit_cells.h: band.bit_grid, band.cell_f), float arithmetic only.
+template <ProbInput IN>
+BANDPO_HD void kl_bits_delta(const BandParams& band, const DeltaConsts<float>& c, float x, float& lo, float& up,
+                             float exp_x) {
+  if (IN == ProbInput::kLogProbExp) {
+    kl_bits_scalar_delta<true, true>(band.bit_grid, band.cell_f, c, x, lo, up, exp_x);
+  } else if (is_log_input<IN>(band)) {
+    kl_bits_scalar_delta<true>(band.bit_grid, band.cell_f, c, x, lo, up);
+  } else {
+    kl_bits_scalar_delta<false>(band.bit_grid, band.cell_f, c, x, lo, up);
+  }
+}
+
 // Closed forms (closed_form_bounds) in the arithmetic type, except from a float log-probability: there p = e^x
 // is not exact in float, and the lower bounds near saturation rest on p - δ(...) to its last bit, so that case
 // takes p and the bounds in double. delta_given: the per-token δ as given (before delta_in_range).
@@ -161,7 +175,9 @@ enum class DivPath : int { kAny = 0, kTable = 1, kClosed = 2 };
 inline DivPath div_path_of(Divergence d) { return reads_table(d) ? DivPath::kTable : DivPath::kClosed; }
 
 // Any divergence, any δ mode; applies the δ-range check (per-token δ) and the max_ratio cap. g: grid_consts(band).
-template <typename acc_t, bool PER_TOKEN, DivPath PATH = DivPath::kAny, ProbInput IN = ProbInput::kRuntime>
+// BITS: a scalar-δ KL band reads the cells in p's bits (float arithmetic; the GPU's kCellsBits kernels).
+template <typename acc_t, bool PER_TOKEN, DivPath PATH = DivPath::kAny, ProbInput IN = ProbInput::kRuntime,
+          bool BITS = false>
 BANDPO_HD void band_element(const BandParams& band, const GridConsts<acc_t>& g, const DeltaConsts<acc_t>& c, acc_t x,
                             acc_t delta, acc_t& lo, acc_t& up,
                             acc_t exp_x = acc_t(0)) {  // exp_x: with ProbInput::kLogProbExp only
@@ -172,6 +188,9 @@ BANDPO_HD void band_element(const BandParams& band, const GridConsts<acc_t>& g, 
   if (table) {
     if (PER_TOKEN) {
       kl_token_delta<acc_t, IN>(band, g, x, delta, lo, up, exp_x);
+    } else if constexpr (BITS) {
+      static_assert(std::is_same<acc_t, float>::value, "the cells in p's bits are read in float");
+      kl_bits_delta<IN>(band, c, x, lo, up, exp_x);
     } else {
       kl_scalar_delta<acc_t, IN>(band, g, cell_table<acc_t>(band), c, x, lo, up, exp_x);
     }

@@ -8,8 +8,10 @@
 //  * anything else (strides, broadcasting): TensorIterator's offsets with precomputed magic-number
 //    divisions (at::cuda::detail::OffsetCalculator), 32-bit per sub-iteration (the iterator splits larger
 //    ones); more dimensions than it handles are materialised first.
-// With a scalar δ the KL band reads the cell cubics collapsed once per (device, table, δ) (cells_cuda.cu),
-// staged in shared memory by the common prologue (kernel_common.cuh): all its reads are LDS.128 (sm_90 SASS).
+// With a scalar δ the KL band reads cell cubics made once per (device, table, δ) (cells_cuda.cu), staged in shared
+// memory by the common prologue (kernel_common.cuh): all its reads are LDS.128 (sm_90 SASS). In float arithmetic
+// (float32, float16, bfloat16) they are the cells in p's bits (kl_bit_cells.h: no logit, no division on the grid),
+// in float64 the cells in t.
 // Both kernels compute every element with the same code (band_value), so a layout never changes a bit.
 //
 // tv, chi2 and hellinger (band_element.h closed_form) run in float32 for float32/16-bit p: their lower bounds
@@ -64,12 +66,12 @@ struct Slots {
 };
 
 // One element: the bounds (CLIP false: out0 = lo, out1 = up) or the clipped ratio (out0), in acc_t.
-template <typename acc_t, bool CLIP, bool PER_TOKEN, DivPath PATH, ProbInput IN>
+template <typename acc_t, bool CLIP, bool PER_TOKEN, DivPath PATH, ProbInput IN, bool BITS>
 __device__ __forceinline__ void band_value(const BandParams& band, const GridConsts<acc_t>& g,
                                            const DeltaConsts<acc_t>& c, acc_t x, acc_t d, acc_t r, acc_t& out0,
                                            acc_t& out1) {
   acc_t l, u;
-  band_element<acc_t, PER_TOKEN, PATH, IN>(band, g, c, x, d, l, u);
+  band_element<acc_t, PER_TOKEN, PATH, IN, BITS>(band, g, c, x, d, l, u);
   if (CLIP) {
     out0 = clamp_like_torch<acc_t>(r, l, u);
   } else {
@@ -107,7 +109,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       acc_t a0, a1 = acc_t(0);
-      band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, g, c, static_cast<acc_t>(xv.v[k]),
+      band_value<acc_t, CLIP, PER_TOKEN, PATH, IN, CELLS == kCellsBits>(band, g, c, static_cast<acc_t>(xv.v[k]),
                                                    PER_TOKEN ? static_cast<acc_t>(dv.v[k]) : c.delta,
                                                    CLIP ? static_cast<acc_t>(rv.v[k]) : acc_t(0), a0, a1);
       o0.v[k] = static_cast<scalar_t>(a0);
@@ -119,7 +121,7 @@ __global__ void __launch_bounds__(kThreads)
   // The tail, fewer than V elements: the one thread whose next step starts at `whole`.
   for (int64_t j = i; j < numel; ++j) {
     acc_t a0, a1 = acc_t(0);
-    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, g, c, static_cast<acc_t>(prob[j]),
+    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN, CELLS == kCellsBits>(band, g, c, static_cast<acc_t>(prob[j]),
                                                  PER_TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
                                                  CLIP ? static_cast<acc_t>(ratio[j]) : acc_t(0), a0, a1);
     out0[j] = static_cast<scalar_t>(a0);
@@ -146,7 +148,7 @@ __global__ void __launch_bounds__(kThreads)
     const acc_t r =
         CLIP ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(io.data[S::ratio] + off[S::ratio])) : acc_t(0);
     acc_t a0, a1 = acc_t(0);
-    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN>(band, g, c, x, d, r, a0, a1);
+    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN, CELLS == kCellsBits>(band, g, c, x, d, r, a0, a1);
     *reinterpret_cast<scalar_t*>(io.data[0] + off[0]) = static_cast<scalar_t>(a0);
     if (!CLIP) *reinterpret_cast<scalar_t*>(io.data[1] + off[1]) = static_cast<scalar_t>(a1);
   }
@@ -178,7 +180,7 @@ template <typename scalar_t, bool CLIP, int CELLS, DivPath PATH, ProbInput IN>
 void launch_mode(at::TensorIteratorBase& iter, const BandParams& band, const CellsPlan& plan, int device,
                  cudaStream_t stream) {
   constexpr int V = vec_size<scalar_t>();
-  const size_t smem = CELLS == kCellsShared ? plan.smem : 0;
+  const size_t smem = CELLS == kCellsShared || CELLS == kCellsBits ? plan.smem : 0;
   const GridConsts<at::opmath_type<scalar_t>> g = device_grid_consts<at::opmath_type<scalar_t>>(band);
   if (dense_and_aligned(iter, V * sizeof(scalar_t))) {
     const auto kernel = band_dense_kernel<scalar_t, CLIP, CELLS, PATH, IN>;
@@ -219,17 +221,23 @@ void launch(at::TensorIteratorBase& iter, const BandParams& band, bool per_token
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "bandpo_lut_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
+    // The scalar-δ KL band's fast path: float arithmetic reads the cells in p's bits, double the cells in t, both
+    // from shared memory (else the cells in t from global memory).
+    constexpr bool kBits = std::is_same<acc_t, float>::value;
+    constexpr int kFast = kBits ? kCellsBits : kCellsShared;
     // Shared memory is planned for the dense kernel; the strided one has the same static use (none).
     const CellsPlan plan = plan_cells<acc_t>(
         band, per_token, /*band_applies=*/true,
-        (const void*)band_dense_kernel<scalar_t, CLIP, kCellsShared, DivPath::kTable, ProbInput::kProb>, 0, device,
-        stream);
+        (const void*)band_dense_kernel<scalar_t, CLIP, kFast, DivPath::kTable, ProbInput::kProb>, 0, device, stream,
+        kBits);
     const bool table = div_path_of(band.divergence) == DivPath::kTable;
-    if (plan.mode == kCellsShared) {  // a table-read divergence only
+    if (plan.mode == kFast) {  // a table-read divergence only
       (void)shared_cells_bytes(
-          (const void*)band_strided_kernel<scalar_t, CLIP, kCellsShared, DivPath::kTable, ProbInput::kProb>, plan.smem,
-          0, device);
-      launch_table<scalar_t, CLIP, kCellsShared>(iter, band, plan, device, stream);
+          (const void*)band_strided_kernel<scalar_t, CLIP, kFast, DivPath::kTable, ProbInput::kProb>, plan.smem, 0,
+          device);
+      BandParams with_grid = band;
+      with_grid.bit_grid = plan.grid;
+      launch_table<scalar_t, CLIP, kFast>(iter, with_grid, plan, device, stream);
     } else if (plan.mode == kCellsGlobal) {
       if (table) {
         launch_table<scalar_t, CLIP, kCellsGlobal>(iter, band, plan, device, stream);

@@ -1,5 +1,5 @@
-// The scalar-δ cell cubics on the GPU, collapsed once per (device, table, δ, precision) and cached; the
-// shared-memory check; the resident grid size (cached per launch configuration). See kernel_common.cuh.
+// The scalar-δ cell cubics on the GPU, collapsed once per (device, table, δ, precision) and cached, and the cells in
+// p's bits fitted from them (kl_bit_cells.h), cached the same way; the shared-memory check; the resident grid size (cached per launch configuration). See kernel_common.cuh.
 //
 // Tables live for the whole process (the table store never frees them), so the coefficient pointer (with the
 // table's geometry, against an address reused by another table) is a stable key. Cached arrays are never freed either:
@@ -45,6 +45,32 @@ void launch_collapse(const BandParams& band, bool as_double, void* out, cudaStre
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The cells in p's bits (kl_bit_cells.h), one thread per cell, from the collapsed spline in double; a cell whose fit
+// misses kBitCellsTolerance (a damaged or unusually coarse table) gets NaN, so that its elements' bounds are NaN
+// rather than silently off.
+__global__ void fit_bits_kernel(TableView tb, const double* cell_d, DeltaConsts<double> dc, BitGrid g, float* out) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= 2 * g.side_cells) return;
+  float cubics[kCellValues];
+  const double err = fit_bit_cell(tb, cell_d, dc, g, c, cubics);
+  const bool ok = err <= kBitCellsTolerance;
+  for (int j = 0; j < kCellValues; ++j) out[kCellValues * c + j] = ok ? cubics[j] : __int_as_float(0x7fc00000);
+}
+
+void launch_fit_bits(const BandParams& band, const BitGrid& g, float* out, cudaStream_t stream) {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const auto cell_d = at::empty({static_cast<int64_t>(band.table.nt - 1) * kCellValues},
+                                at::TensorOptions().device(at::kCUDA, device).dtype(at::kDouble));
+  launch_collapse(band, /*as_double=*/true, cell_d.data_ptr(), stream);
+  const int cells = 2 * g.side_cells;
+  const int threads = 128, blocks = (cells + threads - 1) / threads;
+  fit_bits_kernel<<<blocks, threads, 0, stream>>>(band.table, cell_d.data_ptr<double>(), delta_consts<double>(band.delta),
+                                                  g, out);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // cell_d goes back to the caching allocator here: its blocks are reused only by work queued after this on `stream`.
+}
+
 struct Entry {
   at::Tensor cells;       // the device array (owned for the life of the process)
   cudaEvent_t ready;      // recorded after the collapse kernel
@@ -52,10 +78,13 @@ struct Entry {
   bool complete = false;  // the event is known to have completed: no wait needed anywhere
 };
 
-// (table coefficients, device, δ, double cells, the table's geometry: nt, ns, t_min, t_step, s_min, s_step). The
+// What an entry holds: the cells in t (float or double) or the cells in p's bits (float).
+enum class CellsKind : int { kTFloat = 0, kTDouble = 1, kBits = 2 };
+
+// (table coefficients, device, δ, kind, the table's geometry: nt, ns, t_min, t_step, s_min, s_step). The
 // geometry guards against a table freed and another allocated at its address (then the cached cells
 // are another table's, of another length).
-using Key = std::tuple<const float*, int, double, bool, int, int, double, double, double, double>;
+using Key = std::tuple<const float*, int, double, int, int, int, double, double, double, double>;
 
 bool capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -65,17 +94,23 @@ bool capturing(cudaStream_t stream) {
 
 }  // namespace
 
-const void* cached_cells(const BandParams& band, bool as_double, cudaStream_t stream, at::Tensor& scratch) {
+namespace {
+
+// The one cache of both kinds: `values` elements of `dtype`, computed by `fill(out)` on `stream` (see cached_cells in
+// kernel_common.cuh for the rules on streams and capture).
+template <typename Fill>
+const void* cached_array(const BandParams& band, CellsKind kind, int64_t values, at::ScalarType dtype,
+                         cudaStream_t stream, at::Tensor& scratch, const Fill& fill) {
   static std::mutex mu;
   static std::map<Key, Entry> cache;
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  const int64_t values = static_cast<int64_t>(band.table.nt - 1) * kCellValues;
-  const auto options = at::TensorOptions().device(at::kCUDA, device).dtype(as_double ? at::kDouble : at::kFloat);
+  const auto options = at::TensorOptions().device(at::kCUDA, device).dtype(dtype);
   const bool in_capture = capturing(stream);
   std::lock_guard<std::mutex> lock(mu);
   const TableView& tb = band.table;
-  const Key key{tb.coef, device, band.delta, as_double, tb.nt, tb.ns, tb.t_min, tb.t_step, tb.s_min, tb.s_step};
+  const Key key{tb.coef, device, band.delta, static_cast<int>(kind), tb.nt, tb.ns, tb.t_min, tb.t_step, tb.s_min,
+                tb.s_step};
   auto it = cache.find(key);
   if (it != cache.end()) {
     Entry& e = it->second;
@@ -93,22 +128,37 @@ const void* cached_cells(const BandParams& band, bool as_double, cudaStream_t st
       return e.cells.data_ptr();
     }
     // In a capture, an entry that may still be in flight elsewhere is not used (waiting on an event recorded
-    // outside the capture is not allowed): fall through to a per-call collapse.
+    // outside the capture is not allowed): fall through to a per-call computation.
   }
   if (in_capture || cache.size() >= kMaxEntries) {
     scratch = at::empty({values}, options);
-    launch_collapse(band, as_double, scratch.data_ptr(), stream);
+    fill(scratch.data_ptr());
     return scratch.data_ptr();
   }
   Entry e;
   e.cells = at::empty({values}, options);
-  launch_collapse(band, as_double, e.cells.data_ptr(), stream);
+  fill(e.cells.data_ptr());
   C10_CUDA_CHECK(cudaEventCreateWithFlags(&e.ready, cudaEventDisableTiming));
   C10_CUDA_CHECK(cudaEventRecord(e.ready, stream));
   e.stream = stream;
   const void* ptr = e.cells.data_ptr();
   cache.emplace(key, std::move(e));
   return ptr;
+}
+
+}  // namespace
+
+const void* cached_cells(const BandParams& band, bool as_double, cudaStream_t stream, at::Tensor& scratch) {
+  const int64_t values = static_cast<int64_t>(band.table.nt - 1) * kCellValues;
+  return cached_array(band, as_double ? CellsKind::kTDouble : CellsKind::kTFloat, values,
+                      as_double ? at::kDouble : at::kFloat, stream, scratch,
+                      [&](void* out) { launch_collapse(band, as_double, out, stream); });
+}
+
+const void* cached_bit_cells(const BandParams& band, const BitGrid& grid, cudaStream_t stream, at::Tensor& scratch) {
+  const int64_t values = int64_t{2} * grid.side_cells * kCellValues;
+  return cached_array(band, CellsKind::kBits, values, at::kFloat, stream, scratch,
+                      [&](void* out) { launch_fit_bits(band, grid, static_cast<float*>(out), stream); });
 }
 
 size_t shared_cells_bytes(const void* kernel, size_t cells_bytes, size_t static_bytes, int device) {

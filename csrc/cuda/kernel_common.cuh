@@ -22,6 +22,8 @@ enum CellsMode : int {
   kCellsShared = 1,  // scalar δ, KL: staged in dynamic shared memory by the prologue (the fast path)
   kCellsGlobal = 2,  // scalar δ: read from the cached device array through the read-only cache (KL tables
                      // too large for shared memory), or none at all (closed-form divergences: null)
+  kCellsBits = 3,    // scalar δ, KL, float arithmetic: the cells in p's bits (kl_bit_cells.h), staged in shared
+                     // memory as kCellsShared's (no logit on the grid: the band kernels' fast path)
 };
 
 // Whether a cells mode means a per-token δ (band_element's PER_TOKEN).
@@ -36,6 +38,10 @@ constexpr int kCellValues = 8;  // per t cell: the q_up and κ cubics, a0..a3 ea
 // are collapsed into `scratch` (allocated from the capture's pool), so the graph holds its own collapse
 // kernel and never depends on work outside it.
 const void* cached_cells(const BandParams& band, bool as_double, cudaStream_t stream, at::Tensor& scratch);
+
+// The same for the cells in p's bits of `grid` (bit_grid_for with no tail cells), float, [2·side_cells][8]: fitted on
+// the device from the collapsed cells (fit_bit_cell), cached and captured as cached_cells' are.
+const void* cached_bit_cells(const BandParams& band, const BitGrid& grid, cudaStream_t stream, at::Tensor& scratch);
 
 // Dynamic shared memory for `cells_bytes` of cells in `kernel` (which also uses `static_bytes`): the bytes
 // to request, opting the kernel in above the 48 KB default where the device allows, or 0 when they do not
@@ -73,7 +79,7 @@ int resident_blocks(const void* kernel, int threads, size_t smem, int device);
 // assigned once, unconditionally per mode, so that the compiler knows the address space (LDS.128 reads).
 template <int MODE, typename acc_t>
 __device__ __forceinline__ const acc_t* cells_prologue(const acc_t* src, int n_cells, unsigned char* smem_raw) {
-  if constexpr (MODE == kCellsShared) {
+  if constexpr (MODE == kCellsShared || MODE == kCellsBits) {
     acc_t* cells = reinterpret_cast<acc_t*>(smem_raw);
     const int n16 = n_cells * kCellValues * static_cast<int>(sizeof(acc_t)) / 16;
     const float4* s4 = reinterpret_cast<const float4*>(src);
@@ -105,16 +111,37 @@ struct CellsPlan {
   int n_cells;
   size_t smem;         // dynamic shared memory to request
   at::Tensor scratch;  // keeps a capture-time collapse alive until the launch is enqueued
+  BitGrid grid;        // kCellsBits: where the cells lie (the launch puts it into BandParams::bit_grid)
 };
 
 // The one planner of every launch (band and loss): shared memory for a scalar-δ band of a table-read divergence
 // when the cells fit beside the kernel's `static_bytes`, else global; none for a per-token δ; a null global
-// source when the band reads no table or does not apply (the loss's baseline clips).
+// source when the band reads no table or does not apply (the loss's baseline clips). bits (float arithmetic only):
+// the cells in p's bits where the table's grid allows them and they fit (kCellsBits, `kernel_shared` being that
+// kernel), else the cells in t through the read-only cache (kCellsGlobal).
 template <typename acc_t>
 CellsPlan plan_cells(const BandParams& band, bool per_token, bool band_applies, const void* kernel_shared,
-                     size_t static_bytes, int device, cudaStream_t stream) {
-  CellsPlan plan{per_token ? kCellsNone : kCellsGlobal, nullptr, band.table.nt - 1, 0, at::Tensor()};
+                     size_t static_bytes, int device, cudaStream_t stream, bool bits = false) {
+  static_assert(std::is_same<acc_t, float>::value || std::is_same<acc_t, double>::value, "float or double cells");
+  CellsPlan plan{per_token ? kCellsNone : kCellsGlobal, nullptr, band.table.nt - 1, 0, at::Tensor(), BitGrid{}};
   if (per_token || !band_applies || !reads_table(band.divergence)) return plan;
+  if (bits && std::is_same<acc_t, float>::value) {
+    BitGrid grid{};
+    if (bit_grid_for(band.table, /*tail_cells=*/false, grid)) {
+      const int n = 2 * grid.side_cells;
+      const size_t smem = shared_cells_bytes(kernel_shared, sizeof(float) * kCellValues * n, static_bytes, device);
+      if (smem > 0) {
+        plan.src = cached_bit_cells(band, grid, stream, plan.scratch);
+        plan.mode = kCellsBits;
+        plan.n_cells = n;
+        plan.smem = smem;
+        plan.grid = grid;
+        return plan;
+      }
+    }
+    plan.src = cached_cells(band, /*as_double=*/false, stream, plan.scratch);
+    return plan;
+  }
   plan.src = cached_cells(band, std::is_same<acc_t, double>::value, stream, plan.scratch);
   plan.smem = shared_cells_bytes(kernel_shared, sizeof(acc_t) * kCellValues * plan.n_cells, static_bytes, device);
   plan.mode = plan.smem > 0 ? kCellsShared : kCellsGlobal;
