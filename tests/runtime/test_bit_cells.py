@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -146,3 +147,113 @@ def test_the_shipped_table_fits_cells_in_p_bits(delta):
             fit = (checks[:, :, None] ** np.arange(4) * c[:, None, :]).sum(-1)
             worst = max(worst, float(np.max(np.abs(fit / at_checks[k] - 1))))
     assert worst <= 1e-7 and tail_worst <= 1e-7, (worst, tail_worst)
+
+
+# The GPU kernels' element code for the cells in p's bits (csrc/kl_bit_cells.h), compiled for the host: their layout
+# (both sides from x_lo's cell, the elements below it in the tails) is not the CPU kernels', so it is built and read
+# here by the same functions the device runs (bit_grid_for without tail cells, fit_bit_cell, kl_bits_scalar_delta).
+GPU_LAYOUT_PROGRAM = r"""
+#include "kl_bit_cells.h"
+#include <cstdio>
+#include <vector>
+using namespace bandpo;
+int main(int argc, char** argv) {
+  // argv: table file (float32 [2][nt + 2][ns + 2]), nt, ns, t_min, t_step, s_min, s_step, points file (float32),
+  // then δ values
+  TableView tb{};
+  tb.nt = atoi(argv[2]); tb.ns = atoi(argv[3]);
+  tb.t_min = atof(argv[4]); tb.t_step = atof(argv[5]); tb.s_min = atof(argv[6]); tb.s_step = atof(argv[7]);
+  std::vector<float> coef(2 * static_cast<size_t>(tb.nt + 2) * (tb.ns + 2));
+  FILE* f = fopen(argv[1], "rb");
+  if (fread(coef.data(), sizeof(float), coef.size(), f) != coef.size()) return 3;
+  fclose(f);
+  tb.coef = coef.data();
+  std::vector<float> xs(1 << 17);  // pairs: p, and its log-probability as the caller holds it
+  f = fopen(argv[8], "rb");
+  xs.resize(fread(xs.data(), sizeof(float), xs.size(), f));
+  fclose(f);
+  BitGrid g{};
+  if (!bit_grid_for(tb, /*tail_cells=*/false, g)) return 4;
+  printf("grid %d %d %.9g %.9g %.9g\n", g.first_key, g.side_cells, g.x_lo, g.x_cell, g.x_tail_lo);
+  for (int a = 9; a < argc; ++a) {
+    const double delta = atof(argv[a]);
+    double ws[4];
+    const int js = delta_weights(tb, delta, ws);
+    std::vector<double> cell_d(8 * static_cast<size_t>(tb.nt - 1));
+    for (int k = 0; k < tb.nt - 1; ++k) collapse_cell(tb, k, js, ws, &cell_d[8 * static_cast<size_t>(k)]);
+    std::vector<float> cells(16 * static_cast<size_t>(g.side_cells));
+    double worst = 0.0;
+    for (int c = 0; c < 2 * g.side_cells; ++c) {
+      const double e = fit_bit_cell(tb, cell_d.data(), delta_consts<double>(delta), g, c, &cells[8 * static_cast<size_t>(c)]);
+      worst = (e > worst || e != e) ? e : worst;
+    }
+    printf("fit %.17g %.3g\n", delta, worst);
+    const DeltaConsts<float> c = delta_consts<float>(static_cast<float>(delta));
+    for (size_t i = 0; i + 1 < xs.size(); i += 2) {
+      float lo, up, llo, lup;
+      kl_bits_scalar_delta<false>(g, cells.data(), c, xs[i], lo, up);
+      kl_bits_scalar_delta<true>(g, cells.data(), c, xs[i + 1], llo, lup);
+      printf("%.9g %.9g %.9g %.9g\n", lo, up, llo, lup);
+    }
+  }
+  return 0;
+}
+"""
+
+
+def test_gpu_layout_element_code_against_mpmath(tmp_path, truth):
+    """Every edge point, p and log p, δ in {1e-3, 0.05, 1}: within the accuracy bars; and the special inputs (0, -0,
+    1, NaN, subnormal, outside [0, 1]) as the CPU op gives them."""
+    import shutil
+    import subprocess
+
+    import torch
+
+    from bandpo_lut.tables import store
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    assert cxx, "a C++ compiler (the extension's build needs one)"
+    p, logp, exact_bounds = truth
+    specials = np.array([0.0, -0.0, 1.0, np.nan, 2.0 ** -149, 2.0 ** -127, 1.5, -0.1], dtype=np.float32)
+    log_specials = np.array([-np.inf, 0.0, 1e-3, np.nan, -103.0, -88.0, 0.5, -1e-30], dtype=np.float32)
+    points = np.stack([np.concatenate([p, specials]), np.concatenate([logp, log_specials])], axis=1)
+    points = np.ascontiguousarray(points, dtype=np.float32)
+    table = store.get("kl")
+    (tmp_path / "table.bin").write_bytes(table.coefficients("cpu").numpy().astype(np.float32).tobytes())
+    (tmp_path / "points.bin").write_bytes(points.tobytes())
+    src = Path(__file__).resolve().parents[2] / "csrc"
+    (tmp_path / "main.cpp").write_text(GPU_LAYOUT_PROGRAM)
+    exe = tmp_path / "gpu_layout"
+    subprocess.run([cxx, "-O2", "-std=c++17", f"-I{src}", str(tmp_path / "main.cpp"), "-o", str(exe)], check=True,
+                   timeout=300)
+    deltas = (1e-3, 0.05, 1.0)
+    args = [str(exe), str(tmp_path / "table.bin"), str(table.t.n), str(table.s.n), repr(table.t.min),
+            repr(table.t.step), repr(table.s.min), repr(table.s.step), str(tmp_path / "points.bin"),
+            *map(repr, deltas)]
+    lines = subprocess.run(args, check=True, capture_output=True, text=True, timeout=300).stdout.splitlines()
+    first_key, side_cells = (int(v) for v in lines[0].split()[1:3])
+    assert float(lines[0].split()[5]) == math.inf  # no tail cells: those elements take the tails
+    # both sides from x_lo's cell (x_lo: |t| = t_max, rounded up to a float) to x = 1/2's, 32 bytes a cell: within the
+    # 48 KB of shared memory every GPU gives a kernel without opting in
+    x_lo = np.float32(1.0 / (1.0 + math.exp(table.t.max)))
+    if float(x_lo) < 1.0 / (1.0 + math.exp(table.t.max)):
+        x_lo = np.nextafter(x_lo, np.float32(1))
+    assert np.float32(lines[0].split()[3]) == x_lo
+    lo_key = int(x_lo.view(np.int32)) >> 19
+    assert first_key == lo_key and side_cells == (int(np.float32(0.5).view(np.int32)) >> 19) - lo_key + 1
+    assert 2 * side_cells * 32 <= 48 * 1024, side_cells
+    n = len(points)
+    for k, delta in enumerate(deltas):
+        fit = lines[1 + k * (n + 1)].split()
+        assert float(fit[1]) == delta and float(fit[2]) <= 1e-7, fit
+        rows = np.array([[float(v) for v in line.split()] for line in lines[2 + k * (n + 1): 2 + k * (n + 1) + n]])
+        for log_input, (lo, up) in ((0, (rows[:, 0], rows[:, 1])), (1, (rows[:, 2], rows[:, 3]))):
+            rlo, rup = exact_bounds[(delta, log_input)]
+            eu, el = accuracy.float32_worst(lo[: len(p)], up[: len(p)], rlo, rup)
+            assert eu <= 7e-7 and el <= 3e-7, (delta, log_input, eu, el)
+        # the special inputs as the CPU op gives them (its NaN, zero, rounding and saturation rules), the cap aside
+        for col, kw in ((0, {"p_old": specials}), (2, {"log_p_old": log_specials})):
+            (name, values), = kw.items()
+            lo_op, up_op = bandpo_lut.bounds(delta=delta, max_ratio=math.inf, **{name: torch.from_numpy(values)})
+            np.testing.assert_allclose(rows[len(p):, col], lo_op.double().numpy(), rtol=1e-6, atol=0)
+            np.testing.assert_allclose(rows[len(p):, col + 1], up_op.double().numpy(), rtol=1e-6, atol=0)
