@@ -76,8 +76,8 @@ struct ClosedDelta {
   T sat_lo;  // p* - sat_hi rounded to T
 };
 
-// Where the scalar-δ KL cells in p's bits lie (csrc/kl_bit_cells.h; plain data, for the kernels). Cell k of side s covers the x whose bits >> kShift are
-// first_key + k; side 1's cells follow side 0's.
+// Where the scalar-δ KL cells in p's bits lie (csrc/kl_bit_cells.h; plain data, for the kernels). Cell k of side s
+// covers the x whose bits >> kShift are first_key + k; side 1's cells follow side 0's.
 struct BitGrid {
   static constexpr int kBits = 4;            // 2^kBits cells per binade of x
   static constexpr int kShift = 23 - kBits;  // the mantissa bits below the cell's: the fraction

@@ -109,9 +109,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       acc_t a0, a1 = acc_t(0);
-      band_value<acc_t, CLIP, PER_TOKEN, PATH, IN, CELLS == kCellsBits>(band, g, c, static_cast<acc_t>(xv.v[k]),
-                                                   PER_TOKEN ? static_cast<acc_t>(dv.v[k]) : c.delta,
-                                                   CLIP ? static_cast<acc_t>(rv.v[k]) : acc_t(0), a0, a1);
+      band_value<acc_t, CLIP, PER_TOKEN, PATH, IN, CELLS == kCellsBits>(
+          band, g, c, static_cast<acc_t>(xv.v[k]), PER_TOKEN ? static_cast<acc_t>(dv.v[k]) : c.delta,
+          CLIP ? static_cast<acc_t>(rv.v[k]) : acc_t(0), a0, a1);
       o0.v[k] = static_cast<scalar_t>(a0);
       o1.v[k] = static_cast<scalar_t>(a1);
     }
@@ -121,9 +121,9 @@ __global__ void __launch_bounds__(kThreads)
   // The tail, fewer than V elements: the one thread whose next step starts at `whole`.
   for (int64_t j = i; j < numel; ++j) {
     acc_t a0, a1 = acc_t(0);
-    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN, CELLS == kCellsBits>(band, g, c, static_cast<acc_t>(prob[j]),
-                                                 PER_TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
-                                                 CLIP ? static_cast<acc_t>(ratio[j]) : acc_t(0), a0, a1);
+    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN, CELLS == kCellsBits>(
+        band, g, c, static_cast<acc_t>(prob[j]), PER_TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
+        CLIP ? static_cast<acc_t>(ratio[j]) : acc_t(0), a0, a1);
     out0[j] = static_cast<scalar_t>(a0);
     if (!CLIP) out1[j] = static_cast<scalar_t>(a1);
   }
@@ -226,10 +226,10 @@ void launch(at::TensorIteratorBase& iter, const BandParams& band, bool per_token
     constexpr bool kBits = std::is_same<acc_t, float>::value;
     constexpr int kFast = kBits ? kCellsBits : kCellsShared;
     // Shared memory is planned for the dense kernel; the strided one has the same static use (none).
-    const CellsPlan plan = plan_cells<acc_t>(
-        band, per_token, /*band_applies=*/true,
-        (const void*)band_dense_kernel<scalar_t, CLIP, kFast, DivPath::kTable, ProbInput::kProb>, 0, device, stream,
-        kBits);
+    const CellsPlan plan =
+        plan_cells<acc_t>(band, per_token, /*band_applies=*/true,
+                          (const void*)band_dense_kernel<scalar_t, CLIP, kFast, DivPath::kTable, ProbInput::kProb>, 0,
+                          device, stream, kBits);
     const bool table = div_path_of(band.divergence) == DivPath::kTable;
     if (plan.mode == kFast) {  // a table-read divergence only
       (void)shared_cells_bytes(

@@ -1,5 +1,6 @@
 // The scalar-δ cell cubics on the GPU, collapsed once per (device, table, δ, precision) and cached, and the cells in
-// p's bits fitted from them (kl_bit_cells.h), cached the same way; the shared-memory check; the resident grid size (cached per launch configuration). See kernel_common.cuh.
+// p's bits fitted from them (kl_bit_cells.h), cached the same way; the shared-memory check; the resident grid size
+// (cached per launch configuration). See kernel_common.cuh.
 //
 // Tables live for the whole process (the table store never frees them), so the coefficient pointer (with the
 // table's geometry, against an address reused by another table) is a stable key. Cached arrays are never freed either:
@@ -65,8 +66,8 @@ void launch_fit_bits(const BandParams& band, const BitGrid& g, float* out, cudaS
   launch_collapse(band, /*as_double=*/true, cell_d.data_ptr(), stream);
   const int cells = 2 * g.side_cells;
   const int threads = 128, blocks = (cells + threads - 1) / threads;
-  fit_bits_kernel<<<blocks, threads, 0, stream>>>(band.table, cell_d.data_ptr<double>(), delta_consts<double>(band.delta),
-                                                  g, out);
+  fit_bits_kernel<<<blocks, threads, 0, stream>>>(band.table, cell_d.data_ptr<double>(),
+                                                  delta_consts<double>(band.delta), g, out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // cell_d goes back to the caching allocator here: its blocks are reused only by work queued after this on `stream`.
 }
@@ -109,8 +110,8 @@ const void* cached_array(const BandParams& band, CellsKind kind, int64_t values,
   const bool in_capture = capturing(stream);
   std::lock_guard<std::mutex> lock(mu);
   const TableView& tb = band.table;
-  const Key key{tb.coef, device, band.delta, static_cast<int>(kind), tb.nt, tb.ns, tb.t_min, tb.t_step, tb.s_min,
-                tb.s_step};
+  const Key key{tb.coef,   device,   band.delta, static_cast<int>(kind), tb.nt, tb.ns, tb.t_min,
+                tb.t_step, tb.s_min, tb.s_step};
   auto it = cache.find(key);
   if (it != cache.end()) {
     Entry& e = it->second;

@@ -183,8 +183,9 @@ int main(int argc, char** argv) {
     for (int k = 0; k < tb.nt - 1; ++k) collapse_cell(tb, k, js, ws, &cell_d[8 * static_cast<size_t>(k)]);
     std::vector<float> cells(16 * static_cast<size_t>(g.side_cells));
     double worst = 0.0;
+    const DeltaConsts<double> dc = delta_consts<double>(delta);
     for (int c = 0; c < 2 * g.side_cells; ++c) {
-      const double e = fit_bit_cell(tb, cell_d.data(), delta_consts<double>(delta), g, c, &cells[8 * static_cast<size_t>(c)]);
+      const double e = fit_bit_cell(tb, cell_d.data(), dc, g, c, &cells[8 * static_cast<size_t>(c)]);
       worst = (e > worst || e != e) ? e : worst;
     }
     printf("fit %.17g %.3g\n", delta, worst);
