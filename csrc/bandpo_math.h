@@ -86,6 +86,10 @@ struct BitGrid {
   float x_lo;                                // the least x on the grid (|t| <= t_max): a float, rounded up
   float x_cell;                              // where x_lo's cell begins
   float x_tail_lo;  // side 0's cells below x_cell begin here (the upper bound's tail); +inf where there are none
+  // Per-token δ (the GPU's patches, kl_bit_cells.h fit_bit_patch): δ's cells in its float bits, as x's
+  std::int32_t d_first_key;  // bits >> kShift of the cell of δ_min (the table's, as a float)
+  int d_cells;               // δ's cells from there through the cell of δ_max
+  float d_lo, d_hi;          // the table's δ range as a float δ is moved onto it (delta_in_range)
 };
 
 // Everything a kernel needs besides the element pointers.

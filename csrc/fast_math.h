@@ -44,6 +44,19 @@ BANDPO_HD float load_ro(const float* p) {
 #endif
 }
 
+// Four floats of table memory at a 16-byte aligned address, read as one (LDG.128 on the GPU).
+BANDPO_HD void load_ro4(const float* p, float out[4]) {
+#if defined(__CUDA_ARCH__)
+  const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+  out[0] = v.x;
+  out[1] = v.y;
+  out[2] = v.z;
+  out[3] = v.w;
+#else
+  for (int i = 0; i < 4; ++i) out[i] = p[i];
+#endif
+}
+
 // log(x): x = m·2^e with m in [√½, √2), log m = 2·atanh(z), z = (m-1)/(m+1), |z| ≤ 0.1716, whose odd
 // series to z^11 is exact to 2e-10 relative; e·ln2 is added in two parts (Cody–Waite).
 BANDPO_HD float log_f32(float x) {
