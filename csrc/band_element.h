@@ -138,6 +138,19 @@ BANDPO_HD void kl_bits_delta(const BandParams& band, const DeltaConsts<float>& c
   }
 }
 
+// KL with a per-token δ from the patches in the bits of p and of δ (kl_bit_cells.h fit_bit_patch: band.bit_grid,
+// band.cell_f), float arithmetic only; δ already on the table's range.
+template <ProbInput IN>
+BANDPO_HD void kl_bits_token(const BandParams& band, float x, float delta, float& lo, float& up, float exp_x) {
+  if (IN == ProbInput::kLogProbExp) {
+    kl_bits_token_delta<true, true>(band.bit_grid, band.cell_f, x, delta, lo, up, exp_x);
+  } else if (is_log_input<IN>(band)) {
+    kl_bits_token_delta<true>(band.bit_grid, band.cell_f, x, delta, lo, up);
+  } else {
+    kl_bits_token_delta<false>(band.bit_grid, band.cell_f, x, delta, lo, up);
+  }
+}
+
 // Closed forms (closed_form_bounds) in the arithmetic type, except from a float log-probability: there p = e^x
 // is not exact in float, and the lower bounds near saturation rest on p - δ(...) to its last bit, so that case
 // takes p and the bounds in double. delta_given: the per-token δ as given (before delta_in_range).
@@ -175,7 +188,7 @@ enum class DivPath : int { kAny = 0, kTable = 1, kClosed = 2 };
 inline DivPath div_path_of(Divergence d) { return reads_table(d) ? DivPath::kTable : DivPath::kClosed; }
 
 // Any divergence, any δ mode; applies the δ-range check (per-token δ) and the max_ratio cap. g: grid_consts(band).
-// BITS: a scalar-δ KL band reads the cells in p's bits (float arithmetic; the GPU's kCellsBits kernels).
+// BITS: a KL band reads the cells in p's bits (float arithmetic; the GPU's kCellsBits and kCellsBitsToken kernels).
 template <typename acc_t, bool PER_TOKEN, DivPath PATH = DivPath::kAny, ProbInput IN = ProbInput::kRuntime,
           bool BITS = false>
 BANDPO_HD void band_element(const BandParams& band, const GridConsts<acc_t>& g, const DeltaConsts<acc_t>& c, acc_t x,
@@ -186,7 +199,10 @@ BANDPO_HD void band_element(const BandParams& band, const GridConsts<acc_t>& g, 
   if (PER_TOKEN) delta = delta_in_range<acc_t>(g.delta, delta);
   const bool table = PATH == DivPath::kAny ? reads_table(band.divergence) : PATH == DivPath::kTable;
   if (table) {
-    if (PER_TOKEN) {
+    if constexpr (PER_TOKEN && BITS) {
+      static_assert(std::is_same<acc_t, float>::value, "the cells in p's bits are read in float");
+      kl_bits_token<IN>(band, x, delta, lo, up, exp_x);
+    } else if (PER_TOKEN) {
       kl_token_delta<acc_t, IN>(band, g, x, delta, lo, up, exp_x);
     } else if constexpr (BITS) {
       static_assert(std::is_same<acc_t, float>::value, "the cells in p's bits are read in float");

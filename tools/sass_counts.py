@@ -51,8 +51,9 @@ VEC = 4  # float32 elements per dense-kernel iteration (band_cuda.cu vec_size) =
 # input kind (`(ProbInput)1` = p, `(ProbInput)2` = log p; a tree whose band kernels take either at run time matches
 # the p rows with its one kernel, which then holds both ways), so the same rows match the code before and after
 # those parameters were introduced. The band's scalar-δ rows take the cells staged in shared memory: in t
-# (CellsMode 1, kCellsShared) or, since the float kernels read them, in p's bits (3, kCellsBits). Rows marked optional
-# are left out where no kernel matches.
+# (CellsMode 1, kCellsShared) or, since the float kernels read them, in p's bits (3, kCellsBits). The per-token rows
+# read the table (0, kCellsNone: a float kernel's fallback since the rows "cells in p's bits", CellsMode 4,
+# kCellsBitsToken, were added). Rows marked optional are left out where no kernel matches.
 _D = r"(, \(DivPath\)1)?"
 _P = r"(, \(ProbInput\)1)?"
 _L = r", \(ProbInput\)2"
@@ -63,6 +64,9 @@ KERNELS = (
     ("band clip, per-token δ", "band_cuda.cu", rf"band_dense_kernel<float, true, 0{_D}{_P}>", False),
     ("band clip from log p, scalar δ", "band_cuda.cu", rf"band_dense_kernel<float, true, [13]{_D}{_L}>", True),
     ("band clip from log p, per-token δ", "band_cuda.cu", rf"band_dense_kernel<float, true, 0{_D}{_L}>", True),
+    ("band bounds, per-token δ (bit cells)", "band_cuda.cu", rf"band_dense_kernel<float, false, 4{_D}{_P}>", True),
+    ("band clip, per-token δ (bit cells)", "band_cuda.cu", rf"band_dense_kernel<float, true, 4{_D}{_P}>", True),
+    ("band clip from log p, per-token (bits)", "band_cuda.cu", rf"band_dense_kernel<float, true, 4{_D}{_L}>", True),
     ("loss fwd, scalar δ (shared cells)", "loss_cuda.cu", rf"loss_tokens_kernel<float, 1, false{_D}>", False),
     ("loss fwd, per-token δ", "loss_cuda.cu", rf"loss_tokens_kernel<float, 0, false{_D}>", False),
     ("loss bwd, scalar δ (shared cells)", "loss_cuda.cu", rf"loss_grad_kernel<float, 1{_D}>", False),

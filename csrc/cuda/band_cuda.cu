@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       acc_t a0, a1 = acc_t(0);
-      band_value<acc_t, CLIP, PER_TOKEN, PATH, IN, CELLS == kCellsBits>(
+      band_value<acc_t, CLIP, PER_TOKEN, PATH, IN, bits_mode(CELLS)>(
           band, g, c, static_cast<acc_t>(xv.v[k]), PER_TOKEN ? static_cast<acc_t>(dv.v[k]) : c.delta,
           CLIP ? static_cast<acc_t>(rv.v[k]) : acc_t(0), a0, a1);
       o0.v[k] = static_cast<scalar_t>(a0);
@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(kThreads)
   // The tail, fewer than V elements: the one thread whose next step starts at `whole`.
   for (int64_t j = i; j < numel; ++j) {
     acc_t a0, a1 = acc_t(0);
-    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN, CELLS == kCellsBits>(
+    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN, bits_mode(CELLS)>(
         band, g, c, static_cast<acc_t>(prob[j]), PER_TOKEN ? static_cast<acc_t>(delta[j]) : c.delta,
         CLIP ? static_cast<acc_t>(ratio[j]) : acc_t(0), a0, a1);
     out0[j] = static_cast<scalar_t>(a0);
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kThreads)
     const acc_t r =
         CLIP ? static_cast<acc_t>(*reinterpret_cast<const scalar_t*>(io.data[S::ratio] + off[S::ratio])) : acc_t(0);
     acc_t a0, a1 = acc_t(0);
-    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN, CELLS == kCellsBits>(band, g, c, x, d, r, a0, a1);
+    band_value<acc_t, CLIP, PER_TOKEN, PATH, IN, bits_mode(CELLS)>(band, g, c, x, d, r, a0, a1);
     *reinterpret_cast<scalar_t*>(io.data[0] + off[0]) = static_cast<scalar_t>(a0);
     if (!CLIP) *reinterpret_cast<scalar_t*>(io.data[1] + off[1]) = static_cast<scalar_t>(a1);
   }
@@ -221,8 +221,9 @@ void launch(at::TensorIteratorBase& iter, const BandParams& band, bool per_token
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "bandpo_lut_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    // The scalar-δ KL band's fast path: float arithmetic reads the cells in p's bits, double the cells in t, both
-    // from shared memory (else the cells in t from global memory).
+    // The KL band's fast paths: float arithmetic reads the cells in p's bits (scalar δ: from shared memory, else
+    // the cells in t from global memory; per-token δ: the patches in the bits of p and δ, else the table), double
+    // the cells in t (scalar δ, shared memory) or the table (per-token δ).
     constexpr bool kBits = std::is_same<acc_t, float>::value;
     constexpr int kFast = kBits ? kCellsBits : kCellsShared;
     // Shared memory is planned for the dense kernel; the strided one has the same static use (none).
@@ -244,6 +245,12 @@ void launch(at::TensorIteratorBase& iter, const BandParams& band, bool per_token
       } else {
         launch_mode<scalar_t, CLIP, kCellsGlobal, DivPath::kClosed, ProbInput::kRuntime>(iter, band, plan, device,
                                                                                          stream);
+      }
+    } else if (plan.mode == kCellsBitsToken) {  // float arithmetic, a table-read divergence only
+      if constexpr (kBits) {
+        BandParams with_grid = band;
+        with_grid.bit_grid = plan.grid;
+        launch_table<scalar_t, CLIP, kCellsBitsToken>(iter, with_grid, plan, device, stream);
       }
     } else if (table) {
       launch_table<scalar_t, CLIP, kCellsNone>(iter, band, plan, device, stream);

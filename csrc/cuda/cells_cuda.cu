@@ -72,6 +72,24 @@ void launch_fit_bits(const BandParams& band, const BitGrid& g, float* out, cudaS
   // cell_d goes back to the caching allocator here: its blocks are reused only by work queued after this on `stream`.
 }
 
+// The per-token patches (kl_bit_cells.h fit_bit_patch), one thread per (p cell, δ cell); NaN where a fit misses, as
+// for the scalar cells.
+__global__ void fit_patches_kernel(TableView tb, BitGrid g, float* out) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= 2 * g.side_cells * g.d_cells) return;
+  float patch[kPatchValues];
+  const double err = fit_bit_patch(tb, g, i / g.d_cells, i % g.d_cells, patch);
+  const bool ok = err <= kBitCellsTolerance;
+  for (int j = 0; j < kPatchValues; ++j) out[kPatchValues * i + j] = ok ? patch[j] : __int_as_float(0x7fc00000);
+}
+
+void launch_fit_patches(const BandParams& band, const BitGrid& g, float* out, cudaStream_t stream) {
+  const int n = 2 * g.side_cells * g.d_cells;
+  const int threads = 128, blocks = (n + threads - 1) / threads;
+  fit_patches_kernel<<<blocks, threads, 0, stream>>>(band.table, g, out);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 struct Entry {
   at::Tensor cells;       // the device array (owned for the life of the process)
   cudaEvent_t ready;      // recorded after the collapse kernel
@@ -79,8 +97,8 @@ struct Entry {
   bool complete = false;  // the event is known to have completed: no wait needed anywhere
 };
 
-// What an entry holds: the cells in t (float or double) or the cells in p's bits (float).
-enum class CellsKind : int { kTFloat = 0, kTDouble = 1, kBits = 2 };
+// What an entry holds: the cells in t (float or double), the cells in p's bits (float) or the per-token patches.
+enum class CellsKind : int { kTFloat = 0, kTDouble = 1, kBits = 2, kBitPatches = 3 };
 
 // (table coefficients, device, δ, kind, the table's geometry: nt, ns, t_min, t_step, s_min, s_step). The
 // geometry guards against a table freed and another allocated at its address (then the cached cells
@@ -160,6 +178,14 @@ const void* cached_bit_cells(const BandParams& band, const BitGrid& grid, cudaSt
   const int64_t values = int64_t{2} * grid.side_cells * kCellValues;
   return cached_array(band, CellsKind::kBits, values, at::kFloat, stream, scratch,
                       [&](void* out) { launch_fit_bits(band, grid, static_cast<float*>(out), stream); });
+}
+
+const void* cached_bit_patches(const BandParams& band, const BitGrid& grid, cudaStream_t stream, at::Tensor& scratch) {
+  BandParams any_delta = band;  // one array per table: the key's δ is fixed
+  any_delta.delta = 0.0;
+  const int64_t values = int64_t{2} * grid.side_cells * grid.d_cells * kPatchValues;
+  return cached_array(any_delta, CellsKind::kBitPatches, values, at::kFloat, stream, scratch,
+                      [&](void* out) { launch_fit_patches(band, grid, static_cast<float*>(out), stream); });
 }
 
 size_t shared_cells_bytes(const void* kernel, size_t cells_bytes, size_t static_bytes, int device) {

@@ -18,16 +18,21 @@ namespace bandpo {
 
 // Where a kernel finds the scalar-δ KL cell cubics (a template argument of the element kernels).
 enum CellsMode : int {
-  kCellsNone = 0,    // a per-token δ: no cells (the full 2-D spline per element)
-  kCellsShared = 1,  // scalar δ, KL: staged in dynamic shared memory by the prologue (the fast path)
-  kCellsGlobal = 2,  // scalar δ: read from the cached device array through the read-only cache (KL tables
-                     // too large for shared memory), or none at all (closed-form divergences: null)
-  kCellsBits = 3,    // scalar δ, KL, float arithmetic: the cells in p's bits (kl_bit_cells.h), staged in shared
-                     // memory as kCellsShared's (no logit on the grid: the band kernels' fast path)
+  kCellsNone = 0,       // a per-token δ: no cells (the full 2-D spline per element)
+  kCellsShared = 1,     // scalar δ, KL: staged in dynamic shared memory by the prologue (the fast path)
+  kCellsGlobal = 2,     // scalar δ: read from the cached device array through the read-only cache (KL tables
+                        // too large for shared memory), or none at all (closed-form divergences: null)
+  kCellsBits = 3,       // scalar δ, KL, float arithmetic: the cells in p's bits (kl_bit_cells.h), staged in shared
+                        // memory as kCellsShared's (no logit on the grid: the band kernels' fast path)
+  kCellsBitsToken = 4,  // per-token δ, KL, float arithmetic: the patches in the bits of p and δ (fit_bit_patch),
+                        // read from the cached device array through the read-only cache
 };
 
 // Whether a cells mode means a per-token δ (band_element's PER_TOKEN).
-constexpr bool per_token_mode(int mode) { return mode == kCellsNone; }
+constexpr bool per_token_mode(int mode) { return mode == kCellsNone || mode == kCellsBitsToken; }
+
+// Whether a cells mode reads the cells in p's bits (band_element's BITS).
+constexpr bool bits_mode(int mode) { return mode == kCellsBits || mode == kCellsBitsToken; }
 
 constexpr int kCellValues = 8;  // per t cell: the q_up and κ cubics, a0..a3 each
 
@@ -42,6 +47,10 @@ const void* cached_cells(const BandParams& band, bool as_double, cudaStream_t st
 // The same for the cells in p's bits of `grid` (bit_grid_for with no tail cells), float, [2·side_cells][8]: fitted on
 // the device from the collapsed cells (fit_bit_cell), cached and captured as cached_cells' are.
 const void* cached_bit_cells(const BandParams& band, const BitGrid& grid, cudaStream_t stream, at::Tensor& scratch);
+
+// The per-token patches of `grid`, float, [2·side_cells][d_cells][kPatchValues] (fit_bit_patch): one array per
+// (device, table), whatever the δ; cached and captured as cached_cells' are.
+const void* cached_bit_patches(const BandParams& band, const BitGrid& grid, cudaStream_t stream, at::Tensor& scratch);
 
 // Dynamic shared memory for `cells_bytes` of cells in `kernel` (which also uses `static_bytes`): the bytes
 // to request, opting the kernel in above the 48 KB default where the device allows, or 0 when they do not
@@ -87,7 +96,7 @@ __device__ __forceinline__ const acc_t* cells_prologue(const acc_t* src, int n_c
     for (int i = threadIdx.x; i < n16; i += blockDim.x) d4[i] = __ldg(s4 + i);
     __syncthreads();
     return cells;
-  } else if constexpr (MODE == kCellsGlobal) {
+  } else if constexpr (MODE == kCellsGlobal || MODE == kCellsBitsToken) {
     return src;
   } else {
     return nullptr;
@@ -117,14 +126,24 @@ struct CellsPlan {
 // The one planner of every launch (band and loss): shared memory for a scalar-δ band of a table-read divergence
 // when the cells fit beside the kernel's `static_bytes`, else global; none for a per-token δ; a null global
 // source when the band reads no table or does not apply (the loss's baseline clips). bits (float arithmetic only):
-// the cells in p's bits where the table's grid allows them and they fit (kCellsBits, `kernel_shared` being that
-// kernel), else the cells in t through the read-only cache (kCellsGlobal).
+// the cells in p's bits where the table's grid allows them, for a scalar δ where they fit in shared memory
+// (kCellsBits, `kernel_shared` being that kernel; else the cells in t through the read-only cache, kCellsGlobal), for
+// a per-token δ the patches in the bits of p and δ (kCellsBitsToken; else the table itself, kCellsNone).
 template <typename acc_t>
 CellsPlan plan_cells(const BandParams& band, bool per_token, bool band_applies, const void* kernel_shared,
                      size_t static_bytes, int device, cudaStream_t stream, bool bits = false) {
   static_assert(std::is_same<acc_t, float>::value || std::is_same<acc_t, double>::value, "float or double cells");
   CellsPlan plan{per_token ? kCellsNone : kCellsGlobal, nullptr, band.table.nt - 1, 0, at::Tensor(), BitGrid{}};
-  if (per_token || !band_applies || !reads_table(band.divergence)) return plan;
+  if (!band_applies || !reads_table(band.divergence)) return plan;
+  if (per_token) {
+    BitGrid grid{};
+    if (bits && std::is_same<acc_t, float>::value && bit_grid_for(band.table, /*tail_cells=*/false, grid)) {
+      plan.src = cached_bit_patches(band, grid, stream, plan.scratch);
+      plan.mode = kCellsBitsToken;
+      plan.grid = grid;
+    }
+    return plan;
+  }
   if (bits && std::is_same<acc_t, float>::value) {
     BitGrid grid{};
     if (bit_grid_for(band.table, /*tail_cells=*/false, grid)) {
