@@ -1,7 +1,7 @@
 """Accuracy of the compiled bounds against 40-digit mpmath over a large random sample (the README's figures).
 
     python tools/measure_accuracy.py --points 100000 [--divergence kl ...] [--workers 2] [--seed 2026]
-                                     [--device cuda] [--truth FILE [--replace-other]]
+                                     [--device cuda | --gpu-code-on-host] [--truth FILE [--replace-other]]
 
 Points: `bandpo_lut.tables.accuracy.sample_points` (60% with |logit p| ≤ 14, a fifth in each tail, δ log-uniform over
 the table's range); inputs float32, δ per token (float32) and, separately, the scalar δ = 0.05. The truth is
@@ -11,6 +11,9 @@ subnormal spacings. mpmath costs ~1-6 ms a point: 10^5 points of the four diverg
 
 --device cuda: the bounds are computed on the GPU, and each line also gives the CPU's errors on the same points and
 how many of the GPU's bounds differ from the CPU's (and by how much, relative): the GPU within the CPU's bars.
+--gpu-code-on-host: KL only; the bounds from the GPU kernels' element code compiled for the host with the GPU's
+layout (tools/gpu_code_on_host.py: the cells in p's bits, the per-token patches), for a machine without a GPU; each
+line also gives the CPU op's errors on the same points.
 --truth FILE: an .npz of the mpmath truth, one entry per divergence and δ: an entry it holds for these points is
 read, one it lacks is computed and added (saved entry by entry, so an interrupted run keeps its work), one it holds
 for other points (another seed or --points, or a numpy that draws other points) is refused, or with
@@ -122,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--device", default="cpu", help="where the bounds are computed (cpu or cuda)")
+    ap.add_argument("--gpu-code-on-host", action="store_true",
+                    help="KL: the GPU kernels' element code compiled for the host (tools/gpu_code_on_host.py)")
     ap.add_argument("--truth", type=Path, default=None,
                     help="an .npz of the mpmath truth: read when it exists (same sample only), else written")
     ap.add_argument("--replace-other", action="store_true",
@@ -132,16 +137,27 @@ def main(argv=None) -> int:
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {a.device}: no CUDA device is available")
+    if a.gpu_code_on_host and (device.type != "cpu" or a.divergence != ["kl"]):
+        ap.error("--gpu-code-on-host: with --divergence kl only, on the default --device cpu")
     if a.truth is not None and a.truth.is_dir():
         ap.error(f"--truth {a.truth}: is a folder; name a file")
     samples = {name: points(name, a.points, a.seed) for name in a.divergence}
     truth = load_truth(a.truth) if a.truth is not None else {}
     on_gpu = device.type != "cpu"
+    host_code = None
+    if a.gpu_code_on_host:
+        import tempfile
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gpu_code_on_host import HostGpuCode
+
+        host_code = HostGpuCode(tables.get("kl"), Path(tempfile.mkdtemp(prefix="gpu_code_on_host")))
+        device = "the GPU kernels' code compiled for the host"
     print(f"compiled bounds, float32 in, on {device}, vs mpmath ({DPS} digits); {a.points} random points each; "
           f"seed {a.seed}" + (f"; truth file {a.truth}" if a.truth is not None else ""))
     print(f"{'divergence':10s} {'delta':>10s} {'upper max rel':>14s} {'lower max':>10s}"
           + (f" {'cpu upper':>10s} {'cpu lower':>10s} {'lo != cpu':>10s} {'max rel':>8s} {'up != cpu':>10s} "
-             f"{'max rel':>8s}" if on_gpu else "") + "  truth")
+             f"{'max rel':>8s}" if on_gpu or host_code else "") + "  truth")
     for name, (p32, d32) in samples.items():
         for label, dd in (("per-token", d32), (f"{DELTA_SCALAR}", DELTA_SCALAR)):
             key, digest = f"{name}/{label}", entry_digest(p32, dd, label)
@@ -156,11 +172,17 @@ def main(argv=None) -> int:
                     truth.update({key + "/lo": rlo, key + "/up": rup, key + "/digest": np.array(digest)})
                     save_truth(a.truth, truth)
                     source += ", saved"
-            lo, up = (t.cpu() for t in bandpo_lut.bounds(p32.to(device), dd.to(device) if label == "per-token"
-                                                          else dd, name))
+            if host_code is not None:
+                logp = np.full(a.points, np.nan, dtype=np.float32)  # p inputs only, as the op's rows
+                rows = (host_code.token(p32.numpy(), logp, d32.numpy())[2] if label == "per-token"
+                        else host_code.scalar(p32.numpy(), logp, [DELTA_SCALAR])[2][0])
+                lo, up = torch.from_numpy(rows[:, 0]).float(), torch.from_numpy(rows[:, 1]).float()  # no cap
+            else:
+                lo, up = (t.cpu() for t in bandpo_lut.bounds(p32.to(device), dd.to(device) if label == "per-token"
+                                                              else dd, name))
             eu, el = accuracy.float32_worst(lo.numpy(), up.numpy(), rlo, rup)
             line = f"{name:10s} {label:>10s} {eu:14.2e} {el:10.2e}"
-            if on_gpu:
+            if on_gpu or host_code is not None:
                 clo, cup = bandpo_lut.bounds(p32, dd, name)
                 ceu, cel = accuracy.float32_worst(clo.numpy(), cup.numpy(), rlo, rup)
                 (nlo, glo), (nup, gup) = relative_gap(lo, clo), relative_gap(up, cup)
