@@ -22,9 +22,14 @@ int main(int argc, char** argv) {
   // argv: table file (float32 [2][nt + 2][ns + 2]), nt, ns, t_min, t_step, s_min, s_step, δ_min, δ_max, points file
   // (float32 pairs: p, its log-probability), then "scalar" and δ values, or "token" and a file of one δ per point
   TableView tb{};
-  tb.nt = atoi(argv[2]); tb.ns = atoi(argv[3]);
-  tb.t_min = atof(argv[4]); tb.t_step = atof(argv[5]); tb.s_min = atof(argv[6]); tb.s_step = atof(argv[7]);
-  tb.delta_min = atof(argv[8]); tb.delta_max = atof(argv[9]);
+  tb.nt = atoi(argv[2]);
+  tb.ns = atoi(argv[3]);
+  tb.t_min = atof(argv[4]);
+  tb.t_step = atof(argv[5]);
+  tb.s_min = atof(argv[6]);
+  tb.s_step = atof(argv[7]);
+  tb.delta_min = atof(argv[8]);
+  tb.delta_max = atof(argv[9]);
   const std::vector<float> coef = read_floats(argv[1]);
   if (coef.size() != 2 * static_cast<size_t>(tb.nt + 2) * (tb.ns + 2)) return 3;
   tb.coef = coef.data();
