@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from helpers import fresh_env, run_fresh
 
 import bandpo_lut  # noqa: F401  (the compiled library must load before facts() is asked)
@@ -213,31 +214,67 @@ def test_gpu_layout_element_code_against_mpmath(truth, gpu_code):
         check_specials(r, len(p), delta)
 
 
-def test_gpu_layout_per_token_element_code_against_mpmath(truth, gpu_code):
-    """Per-token δ from the patches in the bits of p and δ (fit_bit_patch, kl_bits_token_delta): every edge point with
-    its own δ, log-uniform in the table's range (seed 0) with both ends and δ's cell edges among them, p and log p,
-    within the accuracy bars; the special inputs as the CPU op gives them."""
+@pytest.fixture(scope="module")
+def token_truth(truth):
+    """One per-token δ per edge point, log-uniform in the table's range (seed 0) with δ's own cell edges (16 per
+    binade, an ulp either side) and the range's ends among them, then one per special input; and the mpmath truth of
+    the edge points at them, as p and as log p."""
+    from bandpo_lut.tables import store
+
     p, logp, _ = truth
-    table, code, xs, logxs = gpu_code
+    table = store.get("kl")
     rng = np.random.default_rng(0)
-    d = np.exp(rng.uniform(math.log(table.delta_min), math.log(table.delta_max), len(xs))).astype(np.float32)
-    # δ's own cell edges (16 per binade), an ulp either side, and the range's ends, on some of the points
+    n = len(p) + len(SPECIALS)
+    d = np.exp(rng.uniform(math.log(table.delta_min), math.log(table.delta_max), n)).astype(np.float32)
     edges = [np.float32(math.ldexp(1.0 + j / 16.0, e)) for e in range(-10, 0) for j in range(16)]
     edges = [v for x in edges for v in (np.nextafter(x, np.float32(0)), x, np.nextafter(x, np.float32(1)))]
     edges = [v for v in edges if table.delta_min <= v <= table.delta_max]
     edges += [np.float32(table.delta_min), np.float32(table.delta_max)]
     d[rng.permutation(len(p))[: len(edges)]] = edges
+    dd = d[: len(p)].astype(np.float64)
+    out = {0: accuracy.exact_bounds_f64(p.astype(np.float64), dd, "kl")}
+    lo_up = [exact.bounds_from_logp(float(x), float(di), "kl") for x, di in zip(logp.astype(np.float64), dd)]
+    out[1] = (np.array([float(a) for a, _ in lo_up]), np.array([float(b) for _, b in lo_up]))
+    return d, out
+
+
+def test_gpu_layout_per_token_element_code_against_mpmath(truth, token_truth, gpu_code):
+    """Per-token δ from the patches in the bits of p and δ (fit_bit_patch, kl_bits_token_delta): every edge point with
+    its own δ (token_truth), p and log p, within the accuracy bars; the special inputs as the CPU op gives them."""
+    p, _, _ = truth
+    table, code, xs, logxs = gpu_code
+    d, exact_token = token_truth
     _, (fit, d_cells), rows = code.token(xs, logxs, d)
     assert fit <= 1e-7, fit
     assert d_cells == (int(np.float32(table.delta_max).view(np.int32)) >> 19) - (
         int(np.float32(table.delta_min).view(np.int32)) >> 19) + 1
-    dd = d[: len(p)].astype(np.float64)
-    rlo, rup = accuracy.exact_bounds_f64(p.astype(np.float64), dd, "kl")
-    eu, el = accuracy.float32_worst(rows[: len(p), 0], rows[: len(p), 1], rlo, rup)
-    assert eu <= 7e-7 and el <= 3e-7, ("p", eu, el)
-    lo_up = [exact.bounds_from_logp(float(x), float(di), "kl") for x, di in zip(logp.astype(np.float64), dd)]
-    rlo = np.array([float(a) for a, _ in lo_up])
-    rup = np.array([float(b) for _, b in lo_up])
-    eu, el = accuracy.float32_worst(rows[: len(p), 2], rows[: len(p), 3], rlo, rup)
-    assert eu <= 7e-7 and el <= 3e-7, ("log p", eu, el)
+    for log_input in (0, 1):
+        rlo, rup = exact_token[log_input]
+        eu, el = accuracy.float32_worst(rows[: len(p), 2 * log_input], rows[: len(p), 2 * log_input + 1], rlo, rup)
+        assert eu <= 7e-7 and el <= 3e-7, (log_input, eu, el)
     check_specials(rows, len(p), d[len(p):])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_kernels_at_the_cell_edges_against_mpmath(truth, token_truth):
+    """The CUDA kernels themselves (float32: the cells in p's bits and the per-token patches) at the same points:
+    scalar δ and per-token δ, p and log p, within the accuracy bars, and each point's bits the same in a long run
+    (whole vectors, blocks and the dense kernel) as alone."""
+    import torch
+
+    p, logp, exact_bounds = truth
+    d, exact_token = token_truth
+    cases = [(delta, li, delta, exact_bounds[(delta, li)]) for delta in (1e-3, 0.05, 1.0) for li in (0, 1)]
+    dt = torch.from_numpy(d[: len(p)]).cuda()
+    cases += [("per-token", li, dt, exact_token[li]) for li in (0, 1)]
+    for label, log_input, delta, (rlo, rup) in cases:
+        x = torch.from_numpy(logp if log_input else p).cuda()
+        kw = {"log_p_old" if log_input else "p_old": x}
+        lo, up = bandpo_lut.bounds(delta=delta, max_ratio=math.inf, **kw)
+        eu, el = accuracy.float32_worst(lo.double().cpu().numpy(), up.double().cpu().numpy(), rlo, rup)
+        assert eu <= 7e-7 and el <= 3e-7, (label, log_input, eu, el)
+        reps = {k: v.repeat(9) for k, v in kw.items()}
+        lo9, up9 = bandpo_lut.bounds(delta=delta.repeat(9) if torch.is_tensor(delta) else delta, max_ratio=math.inf,
+                                     **reps)
+        assert torch.equal(lo9.view(9, -1), lo.expand(9, -1)) and torch.equal(up9.view(9, -1), up.expand(9, -1))
