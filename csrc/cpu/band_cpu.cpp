@@ -132,25 +132,9 @@ BANDPO_INLINE void kl_finish_token_block(const FastRun& run, int64_t start, int 
   }
 }
 
-// A scalar δ with cells in p's bits (kl_bit_cells.h): the element code the GPU kernels run, one element at a time
-// (it has no logarithm to vectorise; the tails are a branch, as there).
-template <bool LOG, bool CLIP>
-BANDPO_INLINE void kl_bits_f32_run(const FastRun& run) {
-  const BandParams& band = *run.band;
-  const float cap = static_cast<float>(band.max_ratio);
-  const DeltaConsts<float> c0 = *run.c;
-  const float* cells = band.bits->cells.data();
-  for (int64_t i = 0; i < run.n; ++i) {
-    float l, u;
-    kl_bits_scalar_delta<LOG>(band.bit_grid, cells, c0, run.x[i], l, u);
-    store<CLIP>(run, i, l, u, cap);
-  }
-}
-
 template <bool LOG, bool CLIP, bool PER_TOKEN>
 BANDPO_INLINE void kl_f32_run(const FastRun& run) {
   const BandParams& band = *run.band;
-  if (!PER_TOKEN && band.bits != nullptr) return kl_bits_f32_run<LOG, CLIP>(run);
   const float cap = static_cast<float>(band.max_ratio);
   const TableView tb = band.table;
   const DeltaConsts<float> c0 = *run.c;
