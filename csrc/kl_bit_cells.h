@@ -57,6 +57,19 @@ inline bool bit_grid_for(const TableView& tb, bool tail_cells, BitGrid& g) {
   return true;
 }
 
+// 0.5·(1 - cos(π(2i + 1)/8)), i < 4: the four Chebyshev nodes of [0, 1] every fit here interpolates at (a function:
+// a namespace-scope array is not visible to device code)
+BANDPO_HD double chebyshev_node4(int i) {
+  constexpr double kNodes[4] = {0.03806023374435663, 0.3086582838174551, 0.6913417161825448, 0.9619397662556434};
+  return kNodes[i];
+}
+
+// Where the cell of `key` (a float's bits >> kShift) begins, and its width: 1/2^kBits of its binade.
+BANDPO_HD void bit_key_span(std::int32_t key, double& start, double& width) {
+  start = static_cast<double>(bits_to_float(key << BitGrid::kShift));
+  width = static_cast<double>(bits_to_float((key >> BitGrid::kBits) << 23)) / (1 << BitGrid::kBits);
+}
+
 // Cell c's place (0 <= c < 2·side_cells): its side, start x0 and width w in x, the fraction f_lo where its fitted part
 // begins (x_lo inside x_lo's cell, else 0), and whether it lies below x_lo's cell (side 0's tail cells). Side 1 has
 // no cells below x_lo's cell in use (its elements there take the tails): such a cell is given x_lo's cell's place, so
@@ -75,8 +88,7 @@ BANDPO_HD BitCellPlace bit_cell_place(const BitGrid& g, int c) {
   BitCellPlace pl;
   pl.side = side;
   pl.tail = key < lo_key;
-  pl.x0 = static_cast<double>(bits_to_float(key << BitGrid::kShift));
-  pl.w = static_cast<double>(bits_to_float((key >> BitGrid::kBits) << 23)) / (1 << BitGrid::kBits);
+  bit_key_span(key, pl.x0, pl.w);
   pl.f_lo = pl.tail ? 0.0 : fmax(0.0, (static_cast<double>(g.x_lo) - pl.x0) / pl.w);
   return pl;
 }
@@ -93,11 +105,9 @@ BANDPO_HD double bit_cell_t(const TableView& tb, int side, double x) {
 template <typename ValueAt>
 BANDPO_HD double fit_cell_cubics(double f_lo, const ValueAt& value_at, float out[8]) {
   constexpr int n = 4;
-  // 0.5·(1 - cos(π(2i + 1)/8)): the Chebyshev nodes of [0, 1]
-  constexpr double kNodes[n] = {0.03806023374435663, 0.3086582838174551, 0.6913417161825448, 0.9619397662556434};
   double nodes[n], ya[n], yb[n], ca[n], cb[n];
   for (int i = 0; i < n; ++i) {
-    nodes[i] = f_lo + (1.0 - f_lo) * kNodes[i];
+    nodes[i] = f_lo + (1.0 - f_lo) * chebyshev_node4(i);
     value_at(nodes[i], ya[i], yb[i]);
   }
   solve_vandermonde<n>(nodes, ya, ca);
@@ -154,11 +164,9 @@ constexpr int kPatchValues = 32;
 
 BANDPO_HD double fit_bit_patch(const TableView& tb, const BitGrid& g, int c, int k, float out[kPatchValues]) {
   constexpr int n = 4;
-  constexpr double kNodes[n] = {0.03806023374435663, 0.3086582838174551, 0.6913417161825448, 0.9619397662556434};
   const BitCellPlace pl = bit_cell_place(g, c);
-  const std::int32_t key = g.d_first_key + k;
-  const double d0 = static_cast<double>(bits_to_float(key << BitGrid::kShift));
-  const double dw = static_cast<double>(bits_to_float((key >> BitGrid::kBits) << 23)) / (1 << BitGrid::kBits);
+  double d0, dw;
+  bit_key_span(g.d_first_key + k, d0, dw);
   const double g_lo = fmax(0.0, (static_cast<double>(g.d_lo) - d0) / dw);
   double g_hi = fmin(1.0, (static_cast<double>(g.d_hi) - d0) / dw);
   // δ_max at its cell's start (a power of two): the spline is constant past it, the cubic fits that
@@ -173,8 +181,8 @@ BANDPO_HD double fit_bit_patch(const TableView& tb, const BitGrid& g, int c, int
   };
   double fn[n], gn[n], val[2][n][n];
   for (int i = 0; i < n; ++i) {
-    fn[i] = pl.f_lo + (1.0 - pl.f_lo) * kNodes[i];
-    gn[i] = g_lo + (g_hi - g_lo) * kNodes[i];
+    fn[i] = pl.f_lo + (1.0 - pl.f_lo) * chebyshev_node4(i);
+    gn[i] = g_lo + (g_hi - g_lo) * chebyshev_node4(i);
   }
   for (int i = 0; i < n; ++i) {
     for (int j = 0; j < n; ++j) {
