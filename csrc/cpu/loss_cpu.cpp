@@ -50,13 +50,26 @@ void block_bounds(const LossParams& params, const DeltaConsts<acc_t>& c, const L
 // ---- float32 rows: branch-free blocked passes that vectorise --------------------------------------------
 constexpr int kSums = kNumCounts + 2;  // the 20 counts, then Σ w·loss and Σ w
 
-// Bounds of a block for the baselines (band bounds come from the vectorised band loop); clip_bounds caps.
+// Bounds of a block for the baselines (band bounds come from the vectorised band loop); clip_bounds caps. The fixed
+// clip's bounds are two constants (no p: the exp is DCPO's alone), so they are formed once and filled; DCPO's loop
+// has its kind fixed at compile time, so that it vectorises without the other kinds' code in it.
 BANDPO_INLINE void baseline_bounds_f32(const LossParams& params, const float* __restrict olp, int m,
                                        float* __restrict lo, float* __restrict up) {
   const DeltaConsts<float> unused{};
+  if (params.clip_kind == ClipKind::kFixed) {
+    float lo_c, up_c;
+    clip_bounds<float, false>(params, unused, 0.0f, 0.5f, 0.0f, lo_c, up_c);
+    for (int i = 0; i < m; ++i) {
+      lo[i] = lo_c;
+      up[i] = up_c;
+    }
+    return;
+  }
+  LossParams dcpo = params;
+  dcpo.clip_kind = ClipKind::kDcpo;  // the only other baseline
   for (int i = 0; i < m; ++i) {
     const float p = exp_f32(olp[i]);
-    clip_bounds<float, false>(params, unused, olp[i], p, 0.0f, lo[i], up[i]);
+    clip_bounds<float, false>(dcpo, unused, olp[i], p, 0.0f, lo[i], up[i]);
   }
 }
 

@@ -77,7 +77,7 @@ def test_bench_prints_one_consistent_table(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     data = json.loads(record.read_text())
     rows, loss_rows = dict(data["rows"]), dict(data["loss_rows"])
-    assert tuple(rows) == BENCH_ROWS and len(loss_rows) == 2
+    assert tuple(rows) == BENCH_ROWS and len(loss_rows) == 3
     copy_s, n, row_bytes = data["copy_seconds"], data["n"], data["bytes_per_element"]
     assert 0 < copy_s < 60 and n == 4096
     # the bytes each band row must move per element: what it reads and writes, counted here from the call

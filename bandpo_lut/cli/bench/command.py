@@ -226,6 +226,8 @@ def _loss_step(kind, batch):
     lp = new.detach().requires_grad_()
     if kind == "fused":
         loss, _ = bandpo_lut.policy_loss(lp, old, adv, mask, max_ratio=10.0)
+    elif kind == "fused-fixed":
+        loss, _ = bandpo_lut.policy_loss(lp, old, adv, mask, clip="fixed")
     else:
         loss, _ = canonical_ppo_loss(lp, old, adv, mask)
     loss.backward()
@@ -309,7 +311,8 @@ def run(args) -> int:
     batch = _loss_batch(args.batch, args.tokens, device)
     loss_rows = []
     for kind, name in (("eager", f"canonical eager PPO loss ({args.batch}x{args.tokens}), fwd+bwd"),
-                       ("fused", f"bandpo_lut.policy_loss band ({args.batch}x{args.tokens}), fwd+bwd")):
+                       ("fused", f"bandpo_lut.policy_loss band ({args.batch}x{args.tokens}), fwd+bwd"),
+                       ("fused-fixed", f"bandpo_lut.policy_loss fixed clip ({args.batch}x{args.tokens}), fwd+bwd")):
         loss_rows.append((name, advance(name, timeit(lambda: _loss_step(kind, batch), device, reps))))
 
     clamp_t = rows[0][1]
