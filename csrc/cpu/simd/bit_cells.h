@@ -13,7 +13,8 @@
 namespace bandpo {
 
 struct BitCells {
-  std::vector<float> cells;  // [2 * grid.side_cells][8]: side 0 (p <= 1/2), then side 1 (p > 1/2)
+  std::vector<float> cells;  // [2 * grid.side_cells][8]: side 0 (p <= 1/2), then side 1 (p > 1/2); each cell's
+                             // two cubics interleaved, [q0 κ0 q1 κ1 q2 κ2 q3 κ3] (table_gather.h cubics_from_pairs)
   BitGrid grid;              // side 0 from 2^-126 (x_tail_lo), side 1's cells below x_lo's cell unused
   double fit_error = 0.0;    // the largest relative difference from what each cell carries
 };
@@ -27,7 +28,12 @@ inline bool fit_bit_cells(const TableView& tb, const double* cell_d, double delt
   const DeltaConsts<double> dc = delta_consts<double>(delta);
   double worst = 0.0;
   for (int c = 0; c < n; ++c) {
-    const double e = fit_bit_cell(tb, cell_d, dc, out.grid, c, &out.cells[static_cast<std::size_t>(c) * 8]);
+    float fit[8];  // fit_bit_cell's order: q0..q3, then κ0..κ3
+    const double e = fit_bit_cell(tb, cell_d, dc, out.grid, c, fit);
+    for (int j = 0; j < 4; ++j) {
+      out.cells[static_cast<std::size_t>(c) * 8 + 2 * j] = fit[j];
+      out.cells[static_cast<std::size_t>(c) * 8 + 2 * j + 1] = fit[4 + j];
+    }
     worst = (e > worst || e != e) ? e : worst;
     if (e != e) break;
   }

@@ -1,7 +1,7 @@
 // The AVX2+FMA vector type of the fused KL kernel (csrc/cpu/simd/kl_simd_body.inc): 8 float lanes, masks as lanes of
-// all ones, and the scalar-δ table read from cells in p's float bits (bit_cells.h: 8 coefficients per cell, read as
-// two 128-bit halves and transposed within 128-bit lanes; AVX2 has no permute wide enough for the wide cells, and its
-// gathers are slower).
+// all ones, and the scalar-δ table read from cells in p's float bits (bit_cells.h: 8 coefficients per cell, the two
+// cubics' interleaved, read as two 128-bit halves and unpacked as 64-bit pairs within 128-bit lanes; AVX2 has no
+// permute wide enough for the wide cells, and its gathers are slower).
 // Compiled only under `#pragma GCC target("avx2,fma")` (csrc/cpu/simd/kl_simd.h).
 #pragma once
 
@@ -242,13 +242,13 @@ struct V {
     _mm256_storeu_ps(u, mul(_mm256_cvtepi32_ps(low), set1(1.0f / (1 << BitGrid::kShift))));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(off), _mm256_slli_epi32(cell, 3));
   }
-  // q_up and κ from the cells table_index chose: the cell cubics read as rows and transposed (cubics_from_cells,
-  // as the blocked loops do).
+  // q_up and κ from the cells table_index chose: the cell cubics read as rows of interleaved pairs
+  // (cubics_from_pairs).
   BANDPO_SIMD_INLINE static void table_rows(const Tables& tb, const std::int32_t* off, F u, F& q, F& kappa) {
     const float* c = tb.cells;
     const float* const a[8] = {c + off[0], c + off[1], c + off[2], c + off[3],
                                c + off[4], c + off[5], c + off[6], c + off[7]};
-    cubics_from_cells(a, u, q, kappa);  // table_gather.h
+    cubics_from_pairs(a, u, q, kappa);  // table_gather.h
   }
 
   // The per-token δ patches (table_gather.h).

@@ -1,6 +1,7 @@
 // The table reads of the CPU band loops (the one part the compiler will not vectorise), for elements whose cell
 // indices and fractions are already computed: per element, the cubics of its t cell (scalar δ: cubics_from_cells, for
-// the blocked loops' cell_cubics where the CPU has AVX2+FMA, checked at run time, and for the fused AVX2 kernel) or
+// the blocked loops' cell_cubics where the CPU has AVX2+FMA, checked at run time; cubics_from_pairs for the fused
+// AVX2 kernel's cells in p's bits) or
 // the 4x4 B-spline patches of its (t, s) cell (per-token δ: patches_scalar in the blocked loops of the baseline ISA;
 // in the fused kernels, from the pair table whose patch rows are 256-bit runs, pair_patches_avx2 for AVX-512 and
 // pair_patches_lanes_avx2 for AVX2).
@@ -136,6 +137,34 @@ __attribute__((target("avx2,fma"), always_inline)) inline void cubics_from_cells
   transpose4x4_lanes(k);
   q = _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, c[3], c[2]), c[1]), c[0]);
   kap = _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, k[3], k[2]), k[1]), k[0]);
+}
+
+// cubics_from_cells for rows with the two cubics' coefficients interleaved ([q0 κ0 q1 κ1 q2 κ2 q3 κ3]: the AVX2
+// kernel's cells in p's bits, bit_cells.h): each coefficient pair (q_j, κ_j) is one 64-bit element, so one 64-bit
+// unpack gives four elements' pairs (elements 0, 1, 4, 5 or 2, 3, 6, 7), both cubics are evaluated at once on
+// [u u] pairs, and two shuffles split q and κ back into element order. 12 in-lane shuffles for 8 elements against
+// the two 4x4 transposes' 16 (on AMD Zen 1 the read's limit: ~4% off the clip); each lane's multiply-adds are
+// cubics_from_cells', so the same bits.
+__attribute__((target("avx2,fma"), always_inline)) inline void cubics_from_pairs(const float* const a[8], __m256 u,
+                                                                                 __m256& q, __m256& kap) {
+  __m256d lo[4], hi[4];
+  for (int e = 0; e < 4; ++e) {
+    lo[e] = _mm256_castps_pd(lane_pair(a[e], a[e + 4]));
+    hi[e] = _mm256_castps_pd(lane_pair(a[e] + 4, a[e + 4] + 4));
+  }
+  const __m256 ua = _mm256_unpacklo_ps(u, u), ub = _mm256_unpackhi_ps(u, u);
+  const __m256 c0a = _mm256_castpd_ps(_mm256_unpacklo_pd(lo[0], lo[1]));
+  const __m256 c1a = _mm256_castpd_ps(_mm256_unpackhi_pd(lo[0], lo[1]));
+  const __m256 c2a = _mm256_castpd_ps(_mm256_unpacklo_pd(hi[0], hi[1]));
+  const __m256 c3a = _mm256_castpd_ps(_mm256_unpackhi_pd(hi[0], hi[1]));
+  const __m256 c0b = _mm256_castpd_ps(_mm256_unpacklo_pd(lo[2], lo[3]));
+  const __m256 c1b = _mm256_castpd_ps(_mm256_unpackhi_pd(lo[2], lo[3]));
+  const __m256 c2b = _mm256_castpd_ps(_mm256_unpacklo_pd(hi[2], hi[3]));
+  const __m256 c3b = _mm256_castpd_ps(_mm256_unpackhi_pd(hi[2], hi[3]));
+  const __m256 ra = _mm256_fmadd_ps(ua, _mm256_fmadd_ps(ua, _mm256_fmadd_ps(ua, c3a, c2a), c1a), c0a);
+  const __m256 rb = _mm256_fmadd_ps(ub, _mm256_fmadd_ps(ub, _mm256_fmadd_ps(ub, c3b, c2b), c1b), c0b);
+  q = _mm256_shuffle_ps(ra, rb, _MM_SHUFFLE(2, 0, 2, 0));
+  kap = _mm256_shuffle_ps(ra, rb, _MM_SHUFFLE(3, 1, 3, 1));
 }
 
 __attribute__((target("avx2,fma"))) inline void cell_cubics_avx2(const float* __restrict cells,
