@@ -161,6 +161,15 @@ BANDPO_HD double fit_bit_cell(const TableView& tb, const double* cell_d, const D
 // out[16·plane + 4·n + m], the coefficient of f^m·g^n; returns the largest relative difference from the spline at
 // 7 × 7 check points (NaN for NaN values). No tail cells: the per-token cells start at x_lo's.
 constexpr int kPatchValues = 32;
+// The patches of a table whose ranges are far wider than the shipped one's (12.8 MB) would be a large allocation per
+// device (and per process on the CPU): such a table reads its spline.
+constexpr double kMaxPatchBytes = 256.0 * 1024 * 1024;
+
+// Whether a table's per-token patches exist: its grid without tail cells (bit_grid_for), and their size in bounds.
+inline bool bit_patch_grid(const TableView& tb, BitGrid& g) {
+  return bit_grid_for(tb, /*tail_cells=*/false, g) &&
+         2.0 * g.side_cells * g.d_cells * kPatchValues * sizeof(float) <= kMaxPatchBytes;
+}
 
 BANDPO_HD double fit_bit_patch(const TableView& tb, const BitGrid& g, int c, int k, float out[kPatchValues]) {
   constexpr int n = 4;

@@ -136,12 +136,8 @@ CellsPlan plan_cells(const BandParams& band, bool per_token, bool band_applies, 
   CellsPlan plan{per_token ? kCellsNone : kCellsGlobal, nullptr, band.table.nt - 1, 0, at::Tensor(), BitGrid{}};
   if (!band_applies || !reads_table(band.divergence)) return plan;
   if (per_token) {
-    // The patches of a table whose ranges are far wider than the shipped one's (12.8 MB) would be a large allocation
-    // per device: such a table reads its spline.
-    constexpr double kMaxPatchBytes = 256.0 * 1024 * 1024;
     BitGrid grid{};
-    if (bits && std::is_same<acc_t, float>::value && bit_grid_for(band.table, /*tail_cells=*/false, grid) &&
-        2.0 * grid.side_cells * grid.d_cells * kPatchValues * sizeof(float) <= kMaxPatchBytes) {
+    if (bits && std::is_same<acc_t, float>::value && bit_patch_grid(band.table, grid)) {
       plan.src = cached_bit_patches(band, grid, stream, plan.scratch);
       plan.mode = kCellsBitsToken;
       plan.grid = grid;
