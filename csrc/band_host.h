@@ -145,6 +145,7 @@ inline BandParams make_params(const at::Tensor& table, c10::ArrayRef<double> gri
   band.wide = nullptr;
   band.bits = nullptr;
   band.pairs = nullptr;
+  band.token_bits = nullptr;
   band.s_axis = band.table.ns > 1 ? token_s_axis(band.table) : TokenSAxis{};
   band.closed_f[0] = closed_delta<float>(band.divergence, delta);
   band.closed_f[1] = closed_delta<float>(band.divergence, band.table.delta_min);

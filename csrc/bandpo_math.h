@@ -30,8 +30,9 @@ BANDPO_HD double fma_any(double a, double b, double c) { return fma(a, b, c); }
 BANDPO_HD float sqrt_any(float x) { return sqrtf(x); }
 BANDPO_HD double sqrt_any(double x) { return sqrt(x); }
 
-struct WideCells;  // csrc/cpu/simd/wide_cells.h
-struct BitCells;   // csrc/cpu/simd/bit_cells.h
+struct WideCells;   // csrc/cpu/simd/wide_cells.h
+struct BitCells;    // csrc/cpu/simd/bit_cells.h
+struct BitPatches;  // csrc/cpu/simd/bit_patches.h
 
 // The table as the kernels see it. Plain data: pointers and sizes only, no at::Tensor.
 struct TableView {
@@ -107,7 +108,8 @@ struct BandParams {
   const BitCells* bits;   // CPU only (csrc/cpu/simd/bit_cells.h): the same re-cut into cells in p's bits, or null
   BitGrid bit_grid;       // where the cells in p's bits lie: the CPU's (`bits`), or the GPU's (kCellsBits kernels)
   const float* pairs;     // CPU only, per-token δ, KL: the table with its planes interleaved (table_gather.h), or null
-  TokenSAxis s_axis;      // the table's s axis for a per-token float δ (token_s_axis, on the host)
+  const BitPatches* token_bits;  // CPU only, per-token δ, KL: the patches in p's and δ's bits (bit_patches.h), or null
+  TokenSAxis s_axis;             // the table's s axis for a per-token float δ (token_s_axis, on the host)
   ClosedDelta<float> closed_f[3];  // closed forms in float: the scalar δ, δ_min, δ_max (closed_delta, on the host)
 };
 

@@ -17,10 +17,11 @@
 // (csrc/cpu/simd/bit_cells.h); the GPU kernels stage the cells in shared memory and start both sides at x_lo's cell
 // (csrc/cuda/cells_cuda.cu), the elements below it taking the tails behind a branch, as beyond the grid in t.
 //
-// Per-token δ (the GPU kernels): δ has cells in its float bits as x does, from the cell of the table's δ_min to that
-// of δ_max, and each pair (cell of x, cell of δ) a patch: the bicubics of q_up and κ in the two fractions, fitted
-// once per table to the tensor-product spline (fit_bit_patch; 12.8 MB for the shipped table). An element reads one
-// patch: no logarithm of δ, no B-spline weights (kl_bits_token_delta).
+// Per-token δ (the GPU kernels, and the CPU's AVX2 kernel: csrc/cpu/simd/bit_patches.h): δ has cells in its float bits
+// as x does, from the cell of the table's δ_min to that of δ_max, and each pair (cell of x, cell of δ) a patch: the
+// bicubics of q_up and κ in the two fractions, fitted once per table to the tensor-product spline (fit_bit_patch;
+// 12.8 MB for the shipped table). An element reads one patch: no logarithm of δ, no B-spline weights
+// (kl_bits_token_delta).
 #pragma once
 
 #include <cmath>

@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>
 #include <torch/library.h>
 
@@ -84,6 +85,36 @@ std::shared_ptr<const std::vector<float>> pair_table(const TableView& tb) {
       tb.coef, key_values, 16, [&tb] { return std::make_shared<const std::vector<float>>(make_pair_table(tb)); });
 }
 
+// Per-token δ, the AVX2 kernel: the patches in the bits of p and δ, keyed as the pair table; null where the table does
+// not allow them or a fit misses (bit_patches.h). Fitted across the threads (the shipped table: ~1e5 patches, about a
+// second of one core), once per table and process.
+std::shared_ptr<const BitPatches> bit_patches(const TableView& tb) {
+  constexpr int kSample = 16;
+  const std::int64_t count = 2 * static_cast<std::int64_t>(tb.nt + 2) * (tb.ns + 2);
+  double key_values[6 + kSample] = {
+      static_cast<double>(tb.nt), static_cast<double>(tb.ns), tb.t_min, tb.t_step, tb.s_min, tb.s_step};
+  for (int i = 0; i < kSample; ++i) key_values[6 + i] = tb.coef[(count - 1) * i / (kSample - 1)];
+  return cached_per_table<BitPatches>(tb.coef, key_values, 4, [&tb]() -> std::shared_ptr<const BitPatches> {
+    auto made = std::make_shared<BitPatches>();
+    if (!bit_patch_grid(tb, made->grid)) return nullptr;
+    const BitGrid& g = made->grid;
+    const std::int64_t n = 2 * static_cast<std::int64_t>(g.side_cells) * g.d_cells;
+    made->patches.resize(static_cast<std::size_t>(n) * kPatchValues);
+    std::vector<double> worst(static_cast<std::size_t>(at::get_num_threads()) + 1, 0.0);
+    at::parallel_for(0, n, 256, [&](std::int64_t begin, std::int64_t end) {
+      const double e = fit_bit_patches_range(tb, g, begin, end, made->patches.data());
+      double& w = worst[static_cast<std::size_t>(at::get_thread_num())];
+      if (!(e <= w)) w = e;  // NaN sticks
+    });
+    worst.push_back(fit_delta_cells(g, made->delta_cells));
+    for (const double e : worst) {
+      if (!(e <= made->fit_error)) made->fit_error = e;
+    }
+    if (!(made->fit_error <= kBitCellsTolerance)) return nullptr;
+    return made;
+  });
+}
+
 CpuTables attach_tables(BandParams& band, bool per_token) {
   CpuTables keep;
   if (!reads_table(band.divergence)) return keep;
@@ -95,6 +126,12 @@ CpuTables attach_tables(BandParams& band, bool per_token) {
       keep.pairs = pair_table(band.table);
       band.pairs = keep.pairs->data();
     }
+#if defined(BANDPO_HAVE_KL_SIMD)
+    if (cpu_variant() == CpuVariant::kAvx2) {  // the one kernel that reads them
+      keep.patches = bit_patches(band.table);
+      band.token_bits = keep.patches.get();
+    }
+#endif
   } else {
     keep.cells = cell_polys(band);
     band.cell_f = keep.cells->f.data();
@@ -236,6 +273,13 @@ avx2::V::Tables bit_cells(const BandParams& band) {
   const BitCells& b = *band.bits;
   return {b.cells.data(), b.grid.side_cells, b.grid.first_key, b.grid.x_lo, b.grid.x_cell};
 }
+
+// The per-token patches in the bits of p and δ and their geometry, for the AVX2 kernel.
+avx2::V::PatchTables bit_patch_tables(const BandParams& band) {
+  const BitPatches& b = *band.token_bits;
+  return {b.patches.data(), b.delta_cells.data(), b.grid.side_cells, b.grid.d_cells,
+          b.grid.first_key, b.grid.d_first_key,   b.grid.x_lo};
+}
 #endif
 
 // One variant's code for a run: KL with a scalar δ goes to the variant's intrinsics kernel where it has one
@@ -253,6 +297,9 @@ BANDPO_INLINE void f32_contiguous_body(const FastRun& run, bool log_input, bool 
   }
   if constexpr (V == CpuVariant::kAvx2) {
     if (kl && !token && run.band->bits != nullptr) return avx2::kl_scalar(run, bit_cells(*run.band), log_input, clip);
+    if (kl && token && run.band->token_bits != nullptr && run.band->pairs != nullptr) {
+      return avx2::kl_token_bits<avx2::V>(run, pair_grid(*run.band), bit_patch_tables(*run.band), log_input, clip);
+    }
     if (kl && token && run.band->pairs != nullptr) {
       return avx2::kl_token(run, pair_grid(*run.band), log_input, clip);
     }

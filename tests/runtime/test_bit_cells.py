@@ -255,6 +255,51 @@ def test_gpu_layout_per_token_element_code_against_mpmath(truth, token_truth, gp
     check_specials(rows, len(p), d[len(p):])
 
 
+TOKEN_CHILD = r"""
+import json, sys
+import torch, bandpo_lut
+from bandpo_lut.runtime import _extension
+p, logp, d = (torch.tensor(v, dtype=torch.float32) for v in json.loads(sys.argv[1]))
+out = {"variant": _extension.facts()["cpu"]["variant"]}
+for log_input in (False, True):
+    key = "log_p_old" if log_input else "p_old"
+    x = logp if log_input else p
+    lo, up = bandpo_lut.bounds(delta=d, **{key: x})
+    # in long runs, each point among other neighbours each time (shuffled), in whole vectors and blocks
+    same = True
+    for seed in range(4):
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed)).repeat(3)
+        lo3, up3 = bandpo_lut.bounds(delta=d[perm], **{key: x[perm]})
+        same &= torch.equal(lo3.view(torch.int32), lo[perm].view(torch.int32))
+        same &= torch.equal(up3.view(torch.int32), up[perm].view(torch.int32))
+    out[str(int(log_input))] = [lo.double().tolist(), up.double().tolist(), bool(same)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("variant", SUPPORTED)
+def test_cpu_per_token_at_the_cell_edges_against_mpmath(tmp_path, truth, token_truth, variant):
+    """The CPU op with a per-token δ (the AVX2 kernel reads patches in the bits of p and δ: csrc/cpu/simd/
+    bit_patches.h; the other variants the pair table) at every edge point with its own δ (token_truth: δ's cell edges
+    among them), p and log p, against mpmath within the accuracy bars; each point's bits the same among other
+    neighbours in long runs (the tails' pass in some of their blocks, not in others)."""
+    p, logp, _ = truth
+    d, exact_token = token_truth
+    env = fresh_env()
+    env["BANDPO_LUT_CPU_VARIANT"] = variant
+    inputs = json.dumps([p.astype(np.float64).tolist(), logp.astype(np.float64).tolist(),
+                         d[: len(p)].astype(np.float64).tolist()])
+    res = run_fresh(["-c", TOKEN_CHILD, inputs], cwd=tmp_path, env=env, check=True)
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["variant"] == variant
+    for log_input in (0, 1):
+        lo, up, same = got[str(log_input)]
+        assert same, (variant, log_input)
+        rlo, rup = exact_token[log_input]
+        eu, el = accuracy.float32_worst(np.array(lo), np.array(up), rlo, rup)
+        assert eu <= 7e-7 and el <= 3e-7, (variant, log_input, eu, el)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_kernels_at_the_cell_edges_against_mpmath(truth, token_truth):

@@ -251,6 +251,74 @@ struct V {
     cubics_from_pairs(a, u, q, kappa);  // table_gather.h
   }
 
+  // Per-token δ from the patches in the bits of p and δ (bit_patches.h), read by kl_simd_body.inc kl_token_bits_run_w:
+  // where they lie (the GPU's layout, no tail cells) and the table's δ range.
+  static constexpr bool kBitPatches = true;
+  struct PatchTables {
+    const float* patches;
+    const float* delta_cells;
+    int side_cells, d_cells;
+    std::int32_t first_key, d_first_key;
+    float x_lo;
+  };
+  struct PatchGrid {
+    __m256i first_key, last_cell, side_cells, d_first_key, d_last, d_cells;
+    F x_lo;
+  };
+  BANDPO_SIMD_INLINE static PatchGrid patch_grid(const PatchTables& tb) {
+    return {_mm256_set1_epi32(tb.first_key),
+            _mm256_set1_epi32(tb.side_cells - 1),
+            _mm256_set1_epi32(tb.side_cells),
+            _mm256_set1_epi32(tb.d_first_key),
+            _mm256_set1_epi32(tb.d_cells - 1),
+            _mm256_set1_epi32(tb.d_cells),
+            set1(tb.x_lo)};
+  }
+  // Each lane's patch (kl_bit_cells.h kl_bits_token_delta's, from the signed x of prob_pass and a δ already on the
+  // table's range): off = its first float, u and gd the fractions of x and δ in their cells (exact). x below the
+  // first cell, 0 and NaN read a patch whose values the tails or the NaN replace.
+  BANDPO_SIMD_INLINE static void patch_index(const PatchGrid& g, F x, F d, std::int32_t* off, std::int32_t* d_off,
+                                             float* u, float* gd) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+    const __m256i low_mask = _mm256_set1_epi32((1 << BitGrid::kShift) - 1);
+    const F frac = set1(1.0f / (1 << BitGrid::kShift));
+    __m256i cell = _mm256_sub_epi32(_mm256_srli_epi32(mag, BitGrid::kShift), g.first_key);
+    cell = _mm256_min_epi32(_mm256_max_epi32(cell, _mm256_setzero_si256()), g.last_cell);
+    cell = _mm256_add_epi32(cell, _mm256_and_si256(_mm256_srai_epi32(bits, 31), g.side_cells));
+    const __m256i db = _mm256_castps_si256(d);
+    __m256i kd = _mm256_sub_epi32(_mm256_srli_epi32(db, BitGrid::kShift), g.d_first_key);
+    kd = _mm256_min_epi32(_mm256_max_epi32(kd, _mm256_setzero_si256()), g.d_last);
+    _mm256_storeu_ps(u, mul(_mm256_cvtepi32_ps(_mm256_and_si256(mag, low_mask)), frac));
+    _mm256_storeu_ps(gd, mul(_mm256_cvtepi32_ps(_mm256_and_si256(db, low_mask)), frac));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d_off), _mm256_slli_epi32(kd, 3));  // δ's cell row (8 floats)
+    const __m256i patch = _mm256_add_epi32(_mm256_mullo_epi32(cell, g.d_cells), kd);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(off), _mm256_slli_epi32(patch, 5));  // kPatchValues floats each
+  }
+  // For elements [0, m): the powers of δ's fraction summed with whole patch rows (bit_patches.h's layout), leaving
+  // each element one cell row of interleaved (q_up, κ) coefficients in f: rows[8i..8i + 7].
+  BANDPO_SIMD_INLINE static void patch_rows(const float* patches, const std::int32_t* off, const float* gd, float* rows,
+                                            int m) {
+    for (int i = 0; i < m; ++i) {
+      const float* a = patches + off[i];
+      const F g = _mm256_broadcast_ss(gd + i);
+      F acc = fmadd(g, _mm256_loadu_ps(a + 24), _mm256_loadu_ps(a + 16));
+      acc = fmadd(g, acc, _mm256_loadu_ps(a + 8));
+      _mm256_store_ps(rows + 8 * i, fmadd(g, acc, _mm256_loadu_ps(a)));
+    }
+  }
+  // q_up and κ of the 8 elements whose cell rows patch_rows left at `rows` (cubics_from_pairs).
+  BANDPO_SIMD_INLINE static void row_cubics(const float* rows, F u, F& q, F& kappa) {
+    const float* const a[8] = {rows, rows + 8, rows + 16, rows + 24, rows + 32, rows + 40, rows + 48, rows + 56};
+    cubics_from_pairs(a, u, q, kappa);  // table_gather.h
+  }
+  // ρ0 = 1 - e^{-δ} and log ρ0 of 8 elements from their δ cells' rows (patch_index's d_off) at δ's fractions gd.
+  BANDPO_SIMD_INLINE static void delta_rows(const float* cells, const std::int32_t* d_off, F gd, F& rho0, F& log_rho0) {
+    const float* const a[8] = {cells + d_off[0], cells + d_off[1], cells + d_off[2], cells + d_off[3],
+                               cells + d_off[4], cells + d_off[5], cells + d_off[6], cells + d_off[7]};
+    cubics_from_pairs(a, gd, rho0, log_rho0);  // table_gather.h
+  }
+
   // The per-token δ patches (table_gather.h).
   BANDPO_SIMD_INLINE static void read_patches(const float* pairs, int row, const std::int32_t* idx,
                                               const float* const wt[4], const float* const ws[4], float* q,

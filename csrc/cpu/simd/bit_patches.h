@@ -1,0 +1,78 @@
+// The CPU's per-token δ patches in the bits of p and δ (csrc/kl_bit_cells.h fit_bit_patch, the GPU's layout: cells
+// from x_lo's on both sides, δ's cells from δ_min's): one patch per (cell of x, cell of δ), the bicubics of q_up and κ
+// in the two fractions. Fitted once per table on the host (δ does not enter: a patch spans its δ cell) and cached
+// (band_cpu.cpp); read by the AVX2 kernel (kl_simd_body.inc kl_token_bits_run_w). A table whose grid does not allow
+// them, whose patches would exceed kMaxPatchBytes, or one of whose fits misses kBitCellsTolerance keeps the pair table.
+//
+// The CPU layout of a patch: four rows of 8 floats, row n the coefficients of g^n, q_up's and κ's interleaved
+// ([q_0 κ_0 q_1 κ_1 q_2 κ_2 q_3 κ_3], index m the power of f): the powers of g are summed with whole rows (one
+// 256-bit multiply-add per power), which leaves one cell row per element in the layout of the scalar-δ cells
+// (bit_cells.h, table_gather.h cubics_from_pairs).
+//
+// The tails (x below x_lo) need δ's constants per element (1 - e^{-δ} and its logarithm: kl_tail_upper,
+// kl_tail_lower_log): δ's cells carry them too, as cubics in δ's fraction (fit_delta_cells), so that a tail element
+// reads them as a cell row instead of taking an expm1 and a logarithm of its own δ.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <vector>
+
+#include "kl_bit_cells.h"
+
+namespace bandpo {
+
+struct BitPatches {
+  std::vector<float> patches;      // [2 * grid.side_cells][grid.d_cells][kPatchValues], the CPU layout above
+  std::vector<float> delta_cells;  // [grid.d_cells][8]: ρ0 = 1 - e^{-δ} and log ρ0, interleaved (fit_delta_cells)
+  BitGrid grid;                    // bit_patch_grid's
+  double fit_error = 0.0;          // the largest relative difference from the spline (fit_bit_patch)
+};
+
+// Patches [begin, end) (index c · d_cells + k) in the CPU layout; returns the worst fit error among them (NaN if any
+// fit gave NaN).
+inline double fit_bit_patches_range(const TableView& tb, const BitGrid& g, std::int64_t begin, std::int64_t end,
+                                    float* patches) {
+  double worst = 0.0;
+  for (std::int64_t i = begin; i < end; ++i) {
+    float fit[kPatchValues];  // fit_bit_patch's order: [plane][n][m]
+    const double e = fit_bit_patch(tb, g, static_cast<int>(i / g.d_cells), static_cast<int>(i % g.d_cells), fit);
+    float* out = patches + i * kPatchValues;
+    for (int n = 0; n < 4; ++n) {
+      for (int m = 0; m < 4; ++m) {
+        out[8 * n + 2 * m] = fit[4 * n + m];
+        out[8 * n + 2 * m + 1] = fit[16 + 4 * n + m];
+      }
+    }
+    if (!(e <= worst)) worst = e;  // NaN sticks
+    if (worst != worst) break;
+  }
+  return worst;
+}
+
+// δ's constants over each of its cells (the whole cell: both are smooth for δ > 0): the cubics of ρ0 = -expm1(-δ) and
+// log ρ0 in δ's fraction, interleaved as the patches' rows; returns the largest relative fit error (fit_cell_cubics).
+inline double fit_delta_cells(const BitGrid& g, std::vector<float>& out) {
+  out.assign(8 * static_cast<std::size_t>(g.d_cells), 0.0f);
+  double worst = 0.0;
+  for (int k = 0; k < g.d_cells; ++k) {
+    double d0, dw;
+    bit_key_span(g.d_first_key + k, d0, dw);
+    float fit[8];
+    const double e = fit_cell_cubics(
+        0.0,
+        [&](double f, double& a, double& b) {
+          a = -std::expm1(-(d0 + dw * f));
+          b = std::log(a);
+        },
+        fit);
+    for (int j = 0; j < 4; ++j) {
+      out[8 * static_cast<std::size_t>(k) + 2 * j] = fit[j];
+      out[8 * static_cast<std::size_t>(k) + 2 * j + 1] = fit[4 + j];
+    }
+    if (!(e <= worst)) worst = e;
+  }
+  return worst;
+}
+
+}  // namespace bandpo
