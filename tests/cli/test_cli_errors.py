@@ -323,8 +323,8 @@ def test_bench_shows_progress_per_row_as_it_goes(tmp_path):
             proc.wait()
     assert proc.returncode == 0, err[-2000:]
     lines = [line for line in (first + err.decode()).splitlines() if line.startswith("bench: [")]
-    # ten clip rows, the copy, two loss rows, the accuracy rows, two memory rows
-    assert [line.split("]")[0] for line in lines] == [f"bench: [{k}/16" for k in range(1, 17)], lines
+    # ten clip rows, the copy, three loss rows, the accuracy rows, two memory rows
+    assert [line.split("]")[0] for line in lines] == [f"bench: [{k}/17" for k in range(1, 18)], lines
     assert running, first
     assert "bench: [" not in out.decode()        # stdout: the table only, as before
     assert re.search(r"peak extra memory, fwd\+bwd: fused [0-9.]+ MB", out.decode()), out.decode()[-2000:]

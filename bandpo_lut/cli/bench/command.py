@@ -277,8 +277,8 @@ def run(args) -> int:
     delta_t = torch.full((n,), 0.05, device=device)
     rows = []
     memory = device.type == "cpu" and not args.skip_memory
-    # the clip rows, the copy, the two loss rows, the accuracy rows, the two memory rows
-    total = 10 + (not args.skip_bisection) + 1 + 2 + bool(args.accuracy_points) + 2 * memory
+    # the clip rows, the copy, the three loss rows, the accuracy rows, the two memory rows
+    total = 10 + (not args.skip_bisection) + 1 + 3 + bool(args.accuracy_points) + 2 * memory
     done = 0
 
     def advance(what, seconds=None):
