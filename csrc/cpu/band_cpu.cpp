@@ -74,27 +74,29 @@ std::shared_ptr<const CellPolys> cell_polys(const BandParams& band) {
 }
 
 // Per-token δ: the pair table, keyed by the geometry and a sample of the coefficients (the pairs are a copy of
-// them, so a table of the same geometry at the same address must differ in the key).
-std::shared_ptr<const std::vector<float>> pair_table(const TableView& tb) {
-  constexpr int kSample = 16;
+// them, so a table of the same geometry at the same address must differ in the key: table_key).
+constexpr int kKeySample = 16;
+struct TableKey {
+  double values[6 + kKeySample];
+};
+TableKey table_key(const TableView& tb) {
   const std::int64_t count = 2 * static_cast<std::int64_t>(tb.nt + 2) * (tb.ns + 2);  // the table's floats
-  double key_values[6 + kSample] = {
-      static_cast<double>(tb.nt), static_cast<double>(tb.ns), tb.t_min, tb.t_step, tb.s_min, tb.s_step};
-  for (int i = 0; i < kSample; ++i) key_values[6 + i] = tb.coef[(count - 1) * i / (kSample - 1)];
-  return cached_per_table<std::vector<float>>(
-      tb.coef, key_values, 16, [&tb] { return std::make_shared<const std::vector<float>>(make_pair_table(tb)); });
+  TableKey key{{static_cast<double>(tb.nt), static_cast<double>(tb.ns), tb.t_min, tb.t_step, tb.s_min, tb.s_step}};
+  for (int i = 0; i < kKeySample; ++i) key.values[6 + i] = tb.coef[(count - 1) * i / (kKeySample - 1)];
+  return key;
+}
+
+std::shared_ptr<const std::vector<float>> pair_table(const TableView& tb) {
+  return cached_per_table<std::vector<float>>(tb.coef, table_key(tb).values, 16, [&tb] {
+    return std::make_shared<const std::vector<float>>(make_pair_table(tb));
+  });
 }
 
 // Per-token δ, the AVX2 kernel: the patches in the bits of p and δ, keyed as the pair table; null where the table does
 // not allow them or a fit misses (bit_patches.h). Fitted across the threads (the shipped table: ~1e5 patches, about a
 // second of one core), once per table and process.
 std::shared_ptr<const BitPatches> bit_patches(const TableView& tb) {
-  constexpr int kSample = 16;
-  const std::int64_t count = 2 * static_cast<std::int64_t>(tb.nt + 2) * (tb.ns + 2);
-  double key_values[6 + kSample] = {
-      static_cast<double>(tb.nt), static_cast<double>(tb.ns), tb.t_min, tb.t_step, tb.s_min, tb.s_step};
-  for (int i = 0; i < kSample; ++i) key_values[6 + i] = tb.coef[(count - 1) * i / (kSample - 1)];
-  return cached_per_table<BitPatches>(tb.coef, key_values, 4, [&tb]() -> std::shared_ptr<const BitPatches> {
+  return cached_per_table<BitPatches>(tb.coef, table_key(tb).values, 4, [&tb]() -> std::shared_ptr<const BitPatches> {
     auto made = std::make_shared<BitPatches>();
     if (!bit_patch_grid(tb, made->grid)) return nullptr;
     const BitGrid& g = made->grid;
@@ -125,13 +127,13 @@ CpuTables attach_tables(BandParams& band, bool per_token) {
     if (floats < 16777216.0) {
       keep.pairs = pair_table(band.table);
       band.pairs = keep.pairs->data();
-    }
 #if defined(BANDPO_HAVE_KL_SIMD)
-    if (cpu_variant() == CpuVariant::kAvx2) {  // the one kernel that reads them
-      keep.patches = bit_patches(band.table);
-      band.token_bits = keep.patches.get();
-    }
+      if (cpu_variant() == CpuVariant::kAvx2) {  // the one kernel that reads them (beside the pair grid's δ range)
+        keep.patches = bit_patches(band.table);
+        band.token_bits = keep.patches.get();
+      }
 #endif
+    }
   } else {
     keep.cells = cell_polys(band);
     band.cell_f = keep.cells->f.data();

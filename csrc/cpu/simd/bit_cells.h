@@ -19,6 +19,15 @@ struct BitCells {
   double fit_error = 0.0;    // the largest relative difference from what each cell carries
 };
 
+// Two cubics' coefficients a[0..3], b[0..3] as the AVX2 kernel reads them: out = [a0 b0 a1 b1 a2 b2 a3 b3]
+// (table_gather.h cubics_from_pairs).
+inline void interleave_cubics(const float* a, const float* b, float* out) {
+  for (int j = 0; j < 4; ++j) {
+    out[2 * j] = a[j];
+    out[2 * j + 1] = b[j];
+  }
+}
+
 // Fit the bit cells from the narrow ones (collapse_cell's `cell_d`) and δ's tail; returns whether the fit meets
 // kBitCellsTolerance.
 inline bool fit_bit_cells(const TableView& tb, const double* cell_d, double delta, BitCells& out) {
@@ -30,10 +39,7 @@ inline bool fit_bit_cells(const TableView& tb, const double* cell_d, double delt
   for (int c = 0; c < n; ++c) {
     float fit[8];  // fit_bit_cell's order: q0..q3, then κ0..κ3
     const double e = fit_bit_cell(tb, cell_d, dc, out.grid, c, fit);
-    for (int j = 0; j < 4; ++j) {
-      out.cells[static_cast<std::size_t>(c) * 8 + 2 * j] = fit[j];
-      out.cells[static_cast<std::size_t>(c) * 8 + 2 * j + 1] = fit[4 + j];
-    }
+    interleave_cubics(fit, fit + 4, &out.cells[static_cast<std::size_t>(c) * 8]);
     worst = (e > worst || e != e) ? e : worst;
     if (e != e) break;
   }

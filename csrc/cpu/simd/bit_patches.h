@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "cpu/simd/bit_cells.h"  // interleave_cubics
 #include "kl_bit_cells.h"
 
 namespace bandpo {
@@ -37,13 +38,7 @@ inline double fit_bit_patches_range(const TableView& tb, const BitGrid& g, std::
   for (std::int64_t i = begin; i < end; ++i) {
     float fit[kPatchValues];  // fit_bit_patch's order: [plane][n][m]
     const double e = fit_bit_patch(tb, g, static_cast<int>(i / g.d_cells), static_cast<int>(i % g.d_cells), fit);
-    float* out = patches + i * kPatchValues;
-    for (int n = 0; n < 4; ++n) {
-      for (int m = 0; m < 4; ++m) {
-        out[8 * n + 2 * m] = fit[4 * n + m];
-        out[8 * n + 2 * m + 1] = fit[16 + 4 * n + m];
-      }
-    }
+    for (int n = 0; n < 4; ++n) interleave_cubics(fit + 4 * n, fit + 16 + 4 * n, patches + i * kPatchValues + 8 * n);
     if (!(e <= worst)) worst = e;  // NaN sticks
     if (worst != worst) break;
   }
@@ -66,10 +61,7 @@ inline double fit_delta_cells(const BitGrid& g, std::vector<float>& out) {
           b = std::log(a);
         },
         fit);
-    for (int j = 0; j < 4; ++j) {
-      out[8 * static_cast<std::size_t>(k) + 2 * j] = fit[j];
-      out[8 * static_cast<std::size_t>(k) + 2 * j + 1] = fit[4 + j];
-    }
+    interleave_cubics(fit, fit + 4, &out[8 * static_cast<std::size_t>(k)]);
     if (!(e <= worst)) worst = e;
   }
   return worst;

@@ -245,15 +245,17 @@ struct V {
   // q_up and κ from the cells table_index chose: the cell cubics read as rows of interleaved pairs
   // (cubics_from_pairs).
   BANDPO_SIMD_INLINE static void table_rows(const Tables& tb, const std::int32_t* off, F u, F& q, F& kappa) {
-    const float* c = tb.cells;
-    const float* const a[8] = {c + off[0], c + off[1], c + off[2], c + off[3],
-                               c + off[4], c + off[5], c + off[6], c + off[7]};
-    cubics_from_pairs(a, u, q, kappa);  // table_gather.h
+    rows_at(tb.cells, off, u, q, kappa);
+  }
+  // The two interleaved cubics of the 8 rows at cells + off[0..7], at fractions u (cubics_from_pairs, table_gather.h).
+  BANDPO_SIMD_INLINE static void rows_at(const float* cells, const std::int32_t* off, F u, F& a, F& b) {
+    const float* const r[8] = {cells + off[0], cells + off[1], cells + off[2], cells + off[3],
+                               cells + off[4], cells + off[5], cells + off[6], cells + off[7]};
+    cubics_from_pairs(r, u, a, b);
   }
 
   // Per-token δ from the patches in the bits of p and δ (bit_patches.h), read by kl_simd_body.inc kl_token_bits_run_w:
   // where they lie (the GPU's layout, no tail cells) and the table's δ range.
-  static constexpr bool kBitPatches = true;
   struct PatchTables {
     const float* patches;
     const float* delta_cells;
@@ -314,9 +316,7 @@ struct V {
   }
   // ρ0 = 1 - e^{-δ} and log ρ0 of 8 elements from their δ cells' rows (patch_index's d_off) at δ's fractions gd.
   BANDPO_SIMD_INLINE static void delta_rows(const float* cells, const std::int32_t* d_off, F gd, F& rho0, F& log_rho0) {
-    const float* const a[8] = {cells + d_off[0], cells + d_off[1], cells + d_off[2], cells + d_off[3],
-                               cells + d_off[4], cells + d_off[5], cells + d_off[6], cells + d_off[7]};
-    cubics_from_pairs(a, gd, rho0, log_rho0);  // table_gather.h
+    rows_at(cells, d_off, gd, rho0, log_rho0);
   }
 
   // The per-token δ patches (table_gather.h).
