@@ -253,39 +253,44 @@ BANDPO_HD void token_terms(const LossParams& params, acc_t lp, acc_t olp, acc_t 
   o.neg_d = -d;
 }
 
-// One token's contribution to each of the 20 counts, c[k * stride] (branch-free: selects only).
+// w where `keep` holds, else +0: a bit mask, not a select. From selects on related conditions (clipped, clipped
+// upper, ...) the compiler derives branches, and a vectorised loop runs those as masked stores (slow on AMD cores).
+BANDPO_HD float keep_if(bool keep, float w) {
+  return bits_to_float(float_to_bits(w) & -static_cast<std::int32_t>(keep));
+}
+BANDPO_HD double keep_if(bool keep, double w) { return keep ? w : 0.0; }
+
+// One token's contribution to each of the 20 counts, c[k * stride] (branch-free: bit masks only).
 template <typename acc_t>
 BANDPO_HD void count_terms(const TokenTerms<acc_t>& o, acc_t w, acc_t* c, int stride) {
-  const acc_t zero = acc_t(0);
   const bool clipped = o.clipped_upper | o.clipped_lower;
   const bool lowprob_pos = (o.p < acc_t(kLowProb)) & o.positive;
-  const acc_t inf = acc_t(1) / acc_t(0);
-  const bool finite_up = (o.up == o.up) & (o.up < inf) & (o.up > -inf);
+  const bool finite_up = (o.up - o.up) == acc_t(0);  // one comparison: x - x is NaN for ±inf and NaN
   c[kNTokens * stride] = w;
-  c[kNClipped * stride] = clipped ? w : zero;
-  c[kNClippedUpper * stride] = o.clipped_upper ? w : zero;
-  c[kNClippedLower * stride] = o.clipped_lower ? w : zero;
-  c[kNDualClipped * stride] = o.dual_clipped ? w : zero;
-  c[kNLowprobPos * stride] = lowprob_pos ? w : zero;
-  c[kNClippedUpperLowprob * stride] = (lowprob_pos & o.clipped_upper) ? w : zero;
-  c[kPpoKlSum * stride] = (w != zero) ? w * o.neg_d : zero;  // w == 0: exactly 0 even for NaN inputs
-  c[kBandWidthSum * stride] = finite_up ? w * (o.up - o.lo) : zero;
-  c[kNBandFinite * stride] = finite_up ? w : zero;
+  c[kNClipped * stride] = keep_if(clipped, w);
+  c[kNClippedUpper * stride] = keep_if(o.clipped_upper, w);
+  c[kNClippedLower * stride] = keep_if(o.clipped_lower, w);
+  c[kNDualClipped * stride] = keep_if(o.dual_clipped, w);
+  c[kNLowprobPos * stride] = keep_if(lowprob_pos, w);
+  c[kNClippedUpperLowprob * stride] = keep_if(lowprob_pos & o.clipped_upper, w);
+  c[kPpoKlSum * stride] = keep_if(w != acc_t(0), w * o.neg_d);  // w == 0: exactly 0 even for NaN inputs
+  c[kBandWidthSum * stride] = keep_if(finite_up, w * (o.up - o.lo));
+  c[kNBandFinite * stride] = keep_if(finite_up, w);
   // Buckets [0,.2), [.2,.4), [.4,.6), [.6,.8), [.8, 1], written out (no inner loop: the CPU loops around
   // this stay vectorisable). NaN p is in none.
   const bool e0 = o.p >= acc_t(bucket_edge(0)), e1 = o.p >= acc_t(bucket_edge(1)), e2 = o.p >= acc_t(bucket_edge(2)),
              e3 = o.p >= acc_t(bucket_edge(3)), e4 = o.p >= acc_t(bucket_edge(4));
   const bool in0 = e0 & !e1, in1 = e1 & !e2, in2 = e2 & !e3, in3 = e3 & !e4, in4 = e4;  // (no bool array:
-  c[(kNTokensBucket0 + 0) * stride] = in0 ? w : zero;                                   //  it would sit in memory)
-  c[(kNTokensBucket0 + 1) * stride] = in1 ? w : zero;
-  c[(kNTokensBucket0 + 2) * stride] = in2 ? w : zero;
-  c[(kNTokensBucket0 + 3) * stride] = in3 ? w : zero;
-  c[(kNTokensBucket0 + 4) * stride] = in4 ? w : zero;
-  c[(kNClippedBucket0 + 0) * stride] = (in0 & clipped) ? w : zero;
-  c[(kNClippedBucket0 + 1) * stride] = (in1 & clipped) ? w : zero;
-  c[(kNClippedBucket0 + 2) * stride] = (in2 & clipped) ? w : zero;
-  c[(kNClippedBucket0 + 3) * stride] = (in3 & clipped) ? w : zero;
-  c[(kNClippedBucket0 + 4) * stride] = (in4 & clipped) ? w : zero;
+  c[(kNTokensBucket0 + 0) * stride] = keep_if(in0, w);                                  //  it would sit in memory)
+  c[(kNTokensBucket0 + 1) * stride] = keep_if(in1, w);
+  c[(kNTokensBucket0 + 2) * stride] = keep_if(in2, w);
+  c[(kNTokensBucket0 + 3) * stride] = keep_if(in3, w);
+  c[(kNTokensBucket0 + 4) * stride] = keep_if(in4, w);
+  c[(kNClippedBucket0 + 0) * stride] = keep_if(in0 & clipped, w);
+  c[(kNClippedBucket0 + 1) * stride] = keep_if(in1 & clipped, w);
+  c[(kNClippedBucket0 + 2) * stride] = keep_if(in2 & clipped, w);
+  c[(kNClippedBucket0 + 3) * stride] = keep_if(in3 & clipped, w);
+  c[(kNClippedBucket0 + 4) * stride] = keep_if(in4 & clipped, w);
 }
 
 // Add one token's contributions to the counts (sum_t: the accumulator type).

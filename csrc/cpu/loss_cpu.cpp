@@ -91,10 +91,10 @@ BANDPO_INLINE void token_block_f32(const LossParams& params, const float* __rest
     token_terms<float>(params, lp[i], olp[i], adv[i], w, p, lo[i], up[i], o);
     if (SUMS) {
       count_terms<float>(o, w, &sums[0][i], kBlock);  // w == 0 gives 0 in every count
-      sums[kNumCounts][i] = skip ? 0.0f : o.value;
+      sums[kNumCounts][i] = keep_if(!skip, o.value);
       sums[kNumCounts + 1][i] = w;
     } else {
-      grad[i] = g * (skip ? 0.0f : o.grad);
+      grad[i] = g * keep_if(!skip, o.grad);
     }
   }
   if (SUMS && m < kBlock) {
@@ -129,6 +129,7 @@ template <MaskKind MASK, bool FWD>
 BANDPO_INLINE void row_f32_impl(const LossParams& params, const LossInputs<float>& in, int64_t n, double* totals,
                                 float g, float* grad_row) {
   alignas(64) float lo[kBlock], up[kBlock];
+  alignas(64) float w_b[MASK == MaskKind::kNone ? 1 : kBlock];
   alignas(64) float sums[FWD ? kSums : 1][kBlock];
   alignas(64) double lanes[FWD ? kSums : 1][kLanes] = {};
   const DeltaConsts<float> c = delta_consts<float>(static_cast<float>(params.band.delta));
@@ -145,8 +146,15 @@ BANDPO_INLINE void row_f32_impl(const LossParams& params, const LossInputs<float
     } else {
       baseline_bounds_f32(params, in.olp + i0, m, lo, up);
     }
-    token_block_f32<MASK, FWD>(params, in.lp + i0, in.olp + i0, in.adv + i0, mask_at<MASK>(in.mask, i0), lo, up, m, g,
-                               FWD ? nullptr : grad_row + i0, sums);
+    // The token pass reads the weights as floats: a byte mask in that loop would make the compiler take 32 tokens per
+    // step (one byte vector), four float vectors of every intermediate, more than the registers hold.
+    constexpr MaskKind kTokenMask = MASK == MaskKind::kNone ? MaskKind::kNone : MaskKind::kFloat;
+    if (MASK != MaskKind::kNone) {
+      const void* mask = mask_at<MASK>(in.mask, i0);
+      for (int i = 0; i < m; ++i) w_b[i] = mask_weight<MASK, float, float>(mask, i);
+    }
+    token_block_f32<kTokenMask, FWD>(params, in.lp + i0, in.olp + i0, in.adv + i0, w_b, lo, up, m, g,
+                                     FWD ? nullptr : grad_row + i0, sums);
     if (FWD) reduce_block(sums, lanes);
   }
   if (FWD) {
