@@ -145,6 +145,34 @@ inline void check_grad_inputs(const char* op, const at::Tensor& grad_loss, const
 //   static at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& row_scale, const LossTensors&,
 //                              const LossOpArgs&, LossParams);
 // and registers loss_fwd_entry<Backend> / loss_bwd_entry<Backend> (csrc/cpu/loss_cpu.cpp, csrc/cuda/loss_cuda.cu).
+// The forward's arguments checked and named: the inputs as the kernels read them, the options and their parameters.
+struct LossForwardCall {
+  LossTensors inputs;
+  LossOpArgs args;
+  LossParams params;
+};
+
+inline LossForwardCall loss_forward_call(const char* op, const at::Tensor& lp, const at::Tensor& olp,
+                                         const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
+                                         const c10::optional<at::Tensor>& delta, double delta_scalar,
+                                         const at::Tensor& table, c10::ArrayRef<double> grid, int64_t divergence,
+                                         int64_t clip_kind, double eps_low, double eps_high, double max_ratio,
+                                         double dual_clip, int64_t mode, int64_t agg) {
+  LossForwardCall call{check_loss_inputs(op, lp, olp, adv, mask, delta, delta_scalar, grid),
+                       LossOpArgs{.divergence = divergence,
+                                  .clip_kind = clip_kind,
+                                  .eps_low = eps_low,
+                                  .eps_high = eps_high,
+                                  .max_ratio = max_ratio,
+                                  .dual_clip = dual_clip,
+                                  .mode = mode,
+                                  .agg = agg,
+                                  .delta_scalar = delta_scalar},
+                       LossParams{}};
+  call.params = make_loss_params(table, grid, call.args, call.inputs);
+  return call;
+}
+
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_entry(
     const at::Tensor& lp, const at::Tensor& olp, const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
@@ -152,17 +180,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_fwd_entry(
     int64_t divergence, int64_t clip_kind, double eps_low, double eps_high, double max_ratio, double dual_clip,
     int64_t mode, int64_t agg) {
   [[maybe_unused]] const auto guard = Backend::device_guard(lp);
-  const LossTensors inputs = check_loss_inputs("policy_loss_fwd", lp, olp, adv, mask, delta, delta_scalar, grid);
-  const LossOpArgs args{.divergence = divergence,
-                        .clip_kind = clip_kind,
-                        .eps_low = eps_low,
-                        .eps_high = eps_high,
-                        .max_ratio = max_ratio,
-                        .dual_clip = dual_clip,
-                        .mode = mode,
-                        .agg = agg,
-                        .delta_scalar = delta_scalar};
-  return Backend::forward(inputs, args, make_loss_params(table, grid, args, inputs));
+  const LossForwardCall call =
+      loss_forward_call("policy_loss_fwd", lp, olp, adv, mask, delta, delta_scalar, table, grid, divergence, clip_kind,
+                        eps_low, eps_high, max_ratio, dual_clip, mode, agg);
+  return Backend::forward(call.inputs, call.args, call.params);
 }
 
 template <typename Backend>

@@ -31,6 +31,14 @@ TORCH_LIBRARY(bandpo_lut, m) {
       "float delta_scalar, Tensor table, float[] grid, int divergence, int clip_kind, float eps_low, "
       "float eps_high, float max_ratio, float dual_clip, int mode, int agg) -> (Tensor loss, Tensor metrics, "
       "Tensor row_scale)");
+  // The forward that also returns each token's gradient factor ∂(w·loss_t)/∂log_prob_t (log_prob's shape, float32 for
+  // 16-bit inputs), so that the backward is grad_loss · row_scale times it: CPU only (the eager route with a gradient
+  // to take, bandpo_lut/runtime/_ops.py `_EagerLoss`; the GPU recomputes in policy_loss_bwd).
+  m.def(
+      "policy_loss_fwd_grad(Tensor log_prob, Tensor old_log_prob, Tensor advantages, Tensor? mask, Tensor? delta, "
+      "float delta_scalar, Tensor table, float[] grid, int divergence, int clip_kind, float eps_low, "
+      "float eps_high, float max_ratio, float dual_clip, int mode, int agg) -> (Tensor loss, Tensor metrics, "
+      "Tensor row_scale, Tensor grad_factor)");
   m.def(
       "policy_loss_bwd(Tensor grad_loss, Tensor row_scale, Tensor log_prob, Tensor old_log_prob, "
       "Tensor advantages, Tensor? mask, Tensor? delta, float delta_scalar, Tensor table, float[] grid, "

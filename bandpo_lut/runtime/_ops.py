@@ -97,14 +97,23 @@ def _loss_fwd_fake(log_prob, *args):
             log_prob.new_empty(log_prob.shape[0], dtype=torch.float64))
 
 
+@torch.library.register_fake("bandpo_lut::policy_loss_fwd_grad")
+def _loss_fwd_grad_fake(log_prob, *args):
+    factor_dtype = torch.float32 if log_prob.dtype in (torch.float16, torch.bfloat16) else log_prob.dtype
+    return (*_loss_fwd_fake(log_prob), log_prob.new_empty(log_prob.shape, dtype=factor_dtype))
+
+
 @torch.library.register_fake("bandpo_lut::policy_loss_bwd")
 def _loss_bwd_fake(grad_loss, row_scale, log_prob, *args):
     return log_prob.new_empty(log_prob.shape)   # contiguous, as the kernels write it
 
 
-def _loss_setup_context(ctx, inputs, output):
+def _loss_setup_context(ctx, inputs, output, factor=None):
     ctx.present = [k for k, i in zip(_LOSS_SAVED, _LOSS_SAVED_AT) if inputs[i] is not None]
-    ctx.save_for_backward(*(inputs[i] for i in _LOSS_SAVED_AT if inputs[i] is not None), output[2])
+    ctx.has_factor = factor is not None   # _EagerLoss on the CPU: the gradient factor, saved before row_scale
+    ctx.grad_dtype = inputs[0].dtype
+    ctx.save_for_backward(*(inputs[i] for i in _LOSS_SAVED_AT if inputs[i] is not None),
+                          *((factor,) if ctx.has_factor else ()), output[2])
     ctx.params = inputs[_LOSS_PARAMS]
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.set_materialize_grads(False)   # no zero tensors for the metrics' and row_scale's (absent) gradients
@@ -112,6 +121,8 @@ def _loss_setup_context(ctx, inputs, output):
 
 def _loss_backward(ctx, grad_loss, grad_metrics, grad_row_scale):
     *saved, row_scale = ctx.saved_tensors
+    if ctx.has_factor:
+        saved = saved[:-1]
     named = dict.fromkeys(_LOSS_SAVED)
     named.update(zip(ctx.present, saved))
     grad = None
@@ -299,18 +310,34 @@ def policy_loss_fwd(*args):
 class _EagerLoss(torch.autograd.Function):
     """The op with its registered autograd (the same setup_context and backward), for plain eager code with a
     gradient to take (see `policy_loss_fwd`): without the ~0.1-0.2 ms per call that torch.library's Python
-    wrapper spends re-binding the schema."""
+    wrapper spends re-binding the schema. For float32 on the CPU the forward is `policy_loss_fwd_grad`, which also
+    keeps each token's gradient factor (one float32 per token, held until the backward): the backward is then
+    grad_loss · row_scale times it, the same arithmetic and bits as `policy_loss_bwd`'s float32 rows, without forming
+    the band a second time. (Other dtypes: their generic rows give an ignored token 0 whatever grad_loss is, which a
+    product with the factor would not, for an infinite grad_loss; they keep the recomputation.)"""
 
     @staticmethod
     def forward(ctx, *args):
         # Below the Autograd key: this Function is the autograd, and the op's own Autograd kernel is
         # torch.library's Python wrapper (~45 us a call re-binding the schema before it redispatches).
         with torch._C._AutoDispatchBelowAutograd():
-            output = ops.policy_loss_fwd(*args)
-        _loss_setup_context(ctx, args, output)
+            if args[0].device.type == "cpu" and args[0].dtype == torch.float32:
+                *output, factor = ops.policy_loss_fwd_grad(*args)
+                output = tuple(output)
+            else:
+                output, factor = ops.policy_loss_fwd(*args), None
+        _loss_setup_context(ctx, args, output, factor)
         return output
 
-    backward = staticmethod(_loss_backward)
+    @staticmethod
+    def backward(ctx, grad_loss, grad_metrics, grad_row_scale):
+        if ctx.has_factor and grad_loss is not None and not torch.is_grad_enabled():
+            factor, row_scale = ctx.saved_tensors[-2:]
+            # policy_loss_bwd's arithmetic: g·S_b in float64, rounded to the factor's type, times the factor there
+            scale = (grad_loss.to(torch.float64) * row_scale).to(factor.dtype)
+            grad = (factor * scale.unsqueeze(1)).to(ctx.grad_dtype)
+            return (grad,) + (None,) * (len(_LOSS_FWD_ARGS) - 1)
+        return _loss_backward(ctx, grad_loss, grad_metrics, grad_row_scale)
 
 
 # ---- per-token copies for the chunked loss (bandpo_lut.runtime.fused_linear) ------------------------------------

@@ -74,9 +74,9 @@ BANDPO_INLINE void baseline_bounds_f32(const LossParams& params, const float* __
 }
 
 // Tokens [0, m) of a block: forward (SUMS), every token's contribution to the kSums sums into sums[k][i]
-// (ignored tokens and [m, kBlock): exactly 0, whatever their inputs); backward, the gradient
-// g · ∂(w·loss_t)/∂log_prob_t into grad[i].
-template <MaskKind MASK, bool SUMS>
+// (ignored tokens and [m, kBlock): exactly 0, whatever their inputs); GRAD, the gradient
+// g · ∂(w·loss_t)/∂log_prob_t into grad[i] (the backward; the forward that keeps the gradient factor, g = 1).
+template <MaskKind MASK, bool SUMS, bool GRAD>
 BANDPO_INLINE void token_block_f32(const LossParams& params, const float* __restrict lp, const float* __restrict olp,
                                    const float* __restrict adv, const void* __restrict mask, const float* __restrict lo,
                                    const float* __restrict up, int m, float g, float* __restrict grad,
@@ -93,9 +93,8 @@ BANDPO_INLINE void token_block_f32(const LossParams& params, const float* __rest
       count_terms<float>(o, w, &sums[0][i], kBlock);  // w == 0 gives 0 in every count
       sums[kNumCounts][i] = keep_if(!skip, o.value);
       sums[kNumCounts + 1][i] = w;
-    } else {
-      grad[i] = g * keep_if(!skip, o.grad);
     }
+    if (GRAD) grad[i] = g * keep_if(!skip, o.grad);  // g = 1: the factor itself, bit for bit
   }
   if (SUMS && m < kBlock) {
     for (int k = 0; k < kSums; ++k)
@@ -125,7 +124,7 @@ BANDPO_INLINE const void* mask_at(const void* mask, int64_t i) {
                                     : nullptr;
 }
 
-template <MaskKind MASK, bool FWD>
+template <MaskKind MASK, bool FWD, bool GRAD>
 BANDPO_INLINE void row_f32_impl(const LossParams& params, const LossInputs<float>& in, int64_t n, double* totals,
                                 float g, float* grad_row) {
   alignas(64) float lo[kBlock], up[kBlock];
@@ -153,8 +152,8 @@ BANDPO_INLINE void row_f32_impl(const LossParams& params, const LossInputs<float
       const void* mask = mask_at<MASK>(in.mask, i0);
       for (int i = 0; i < m; ++i) w_b[i] = mask_weight<MASK, float, float>(mask, i);
     }
-    token_block_f32<kTokenMask, FWD>(params, in.lp + i0, in.olp + i0, in.adv + i0, w_b, lo, up, m, g,
-                                     FWD ? nullptr : grad_row + i0, sums);
+    token_block_f32<kTokenMask, FWD, GRAD>(params, in.lp + i0, in.olp + i0, in.adv + i0, w_b, lo, up, m, g,
+                                           GRAD ? grad_row + i0 : nullptr, sums);
     if (FWD) reduce_block(sums, lanes);
   }
   if (FWD) {
@@ -163,21 +162,27 @@ BANDPO_INLINE void row_f32_impl(const LossParams& params, const LossInputs<float
   }
 }
 
-// One row, forward (totals[kSums] += its sums) or backward (grad_row = g · ∂(Σ w·loss)/∂log_prob), compiled per
-// CPU variant (BANDPO_CPU_VARIANTS): the token pass runs the variant the band runs (cpu_variant.h).
+// One row, forward (totals[kSums] += its sums; with grad_row, also the gradient factor ∂(w·loss_t)/∂log_prob_t
+// there) or backward (grad_row = g · ∂(Σ w·loss)/∂log_prob), compiled per CPU variant (BANDPO_CPU_VARIANTS): the
+// token pass runs the variant the band runs (cpu_variant.h).
+template <MaskKind MASK>
+BANDPO_INLINE void row_f32_mask(const LossParams& params, const LossInputs<float>& in, int64_t n, double* totals,
+                                float g, float* grad_row, bool forward) {
+  if (!forward) return row_f32_impl<MASK, false, true>(params, in, n, totals, g, grad_row);
+  if (grad_row != nullptr) return row_f32_impl<MASK, true, true>(params, in, n, totals, 1.0f, grad_row);
+  return row_f32_impl<MASK, true, false>(params, in, n, totals, g, grad_row);
+}
+
 template <CpuVariant>
 BANDPO_INLINE void row_f32_body(const LossParams& params, const LossInputs<float>& in, int64_t n, double* totals,
                                 float g, float* grad_row, bool forward) {
   switch (params.mask_kind) {
     case MaskKind::kBytes:
-      return forward ? row_f32_impl<MaskKind::kBytes, true>(params, in, n, totals, g, grad_row)
-                     : row_f32_impl<MaskKind::kBytes, false>(params, in, n, totals, g, grad_row);
+      return row_f32_mask<MaskKind::kBytes>(params, in, n, totals, g, grad_row, forward);
     case MaskKind::kFloat:
-      return forward ? row_f32_impl<MaskKind::kFloat, true>(params, in, n, totals, g, grad_row)
-                     : row_f32_impl<MaskKind::kFloat, false>(params, in, n, totals, g, grad_row);
+      return row_f32_mask<MaskKind::kFloat>(params, in, n, totals, g, grad_row, forward);
     case MaskKind::kNone:
-      return forward ? row_f32_impl<MaskKind::kNone, true>(params, in, n, totals, g, grad_row)
-                     : row_f32_impl<MaskKind::kNone, false>(params, in, n, totals, g, grad_row);
+      return row_f32_mask<MaskKind::kNone>(params, in, n, totals, g, grad_row, forward);
   }
 }
 
@@ -204,30 +209,35 @@ CpuTables attach_loss_tables(LossParams& params) {
   return attach_tables(params.band, params.per_token_delta);
 }
 
-// One row's Σ w·loss, Σ w and counts (totals[kSums], zeroed by the caller), the generic per-element loop.
+// One row's Σ w·loss, Σ w and counts (totals[kSums], zeroed by the caller), the generic per-element loop; with
+// factor, each token's ∂(w·loss_t)/∂log_prob_t there (0 for ignored tokens).
 template <typename scalar_t, typename acc_t>
 void row_sums_generic(const LossParams& params, const DeltaConsts<acc_t>& c, const LossInputs<scalar_t>& in, int64_t n,
-                      double* totals) {
+                      double* totals, acc_t* factor) {
   acc_t lo[kBlock], up[kBlock];
   for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
     const int m = static_cast<int>(n - i0 < kBlock ? n - i0 : kBlock);
     block_bounds<scalar_t, acc_t>(params, c, in, i0, m, lo, up);
     for (int i = 0; i < m; ++i) {
       const acc_t w = weight<scalar_t, acc_t>(params, in, i0 + i);
+      if (factor) factor[i0 + i] = acc_t(0);
       if (w == acc_t(0)) continue;  // ignored tokens contribute nothing, whatever their inputs
       const acc_t olp_i = static_cast<acc_t>(in.olp[i0 + i]);
       TokenTerms<acc_t> o;
       token_terms<acc_t>(params, static_cast<acc_t>(in.lp[i0 + i]), olp_i, static_cast<acc_t>(in.adv[i0 + i]), w,
                          exp_any(olp_i), lo[i], up[i], o);
       add_counts<acc_t, double>(o, w, totals);
+      if (factor) factor[i0 + i] = o.grad;
       totals[kNumCounts] += static_cast<double>(o.value);
       totals[kNumCounts + 1] += static_cast<double>(w);
     }
   }
 }
 
+// The forward; with `factor` (a tensor of log_prob's shape in its float type, at::opmath_type), also each token's
+// gradient factor ∂(w·loss_t)/∂log_prob_t, which the backward scales by row_scale · grad_loss (policy_loss_fwd_grad).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_forward(const LossTensors& inputs, const LossOpArgs& args,
-                                                            LossParams params) {
+                                                            LossParams params, at::Tensor factor = {}) {
   cpu_variant();  // an invalid BANDPO_LUT_CPU_VARIANT raises here, on the calling thread, not in a worker
   const CpuTables keep = attach_loss_tables(params);
   const at::Tensor& lp = inputs.lp;
@@ -244,8 +254,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_forward(const LossTensors& i
         for (int64_t b = chunk * kRowsPerChunk; b < std::min(B, (chunk + 1) * kRowsPerChunk); ++b) {
           const LossInputs<scalar_t> in = loss_inputs<scalar_t>(inputs, b);
           double totals[kSums] = {0};
-          if (!fast_row<scalar_t>(params, in, n, totals, 0.0f, nullptr, /*forward=*/true)) {
-            row_sums_generic<scalar_t, acc_t>(params, c, in, n, totals);
+          acc_t* factor_row = factor.defined() ? factor.data_ptr<acc_t>() + b * n : nullptr;
+          // (fast_row writes float32 rows only, whose factor is float32 too)
+          if (!fast_row<scalar_t>(params, in, n, totals, 0.0f, reinterpret_cast<scalar_t*>(factor_row),
+                                  /*forward=*/true)) {
+            row_sums_generic<scalar_t, acc_t>(params, c, in, n, totals, factor_row);
           }
           for (int k = 0; k < kNumCounts; ++k) counts[k] += totals[k];
           row_s[b] = totals[kNumCounts];
@@ -308,6 +321,22 @@ at::Tensor loss_backward(const at::Tensor& grad_loss, const at::Tensor& row_scal
   return grad;
 }
 
+// policy_loss_fwd_grad: the forward, and each token's gradient factor ∂(w·loss_t)/∂log_prob_t (log_prob's shape, its
+// float type: at::opmath_type), which the backward scales by grad_loss · row_scale (bandpo_lut/runtime/_ops.py,
+// `_EagerLoss`): the band is formed once per step instead of once in each pass.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss_fwd_grad(
+    const at::Tensor& lp, const at::Tensor& olp, const at::Tensor& adv, const c10::optional<at::Tensor>& mask,
+    const c10::optional<at::Tensor>& delta, double delta_scalar, const at::Tensor& table, c10::ArrayRef<double> grid,
+    int64_t divergence, int64_t clip_kind, double eps_low, double eps_high, double max_ratio, double dual_clip,
+    int64_t mode, int64_t agg) {
+  const LossForwardCall call =
+      loss_forward_call("policy_loss_fwd_grad", lp, olp, adv, mask, delta, delta_scalar, table, grid, divergence,
+                        clip_kind, eps_low, eps_high, max_ratio, dual_clip, mode, agg);
+  at::Tensor factor = at::empty(lp.sizes(), lp.options().dtype(at::toOpMathType(lp.scalar_type())));
+  auto [loss, metrics, row_scale] = loss_forward(call.inputs, call.args, call.params, factor);
+  return {loss, metrics, row_scale, factor};
+}
+
 // The CPU backend of loss_fwd_entry / loss_bwd_entry (loss_host.h).
 struct CpuLoss {
   struct NoGuard {};
@@ -328,4 +357,5 @@ struct CpuLoss {
 TORCH_LIBRARY_IMPL(bandpo_lut, CPU, m) {
   m.impl("policy_loss_fwd", &bandpo::loss_fwd_entry<bandpo::CpuLoss>);
   m.impl("policy_loss_bwd", &bandpo::loss_bwd_entry<bandpo::CpuLoss>);
+  m.impl("policy_loss_fwd_grad", &bandpo::loss_fwd_grad);
 }

@@ -266,3 +266,41 @@ def test_ratio_bounds_are_the_bounds_the_loss_applies():
     for clip in ("band", "fixed", "dcpo"):
         with pytest.raises(ValueError, match="max_ratio"):
             ratio_bounds(q, clip=clip, max_ratio=0.5)
+
+
+@pytest.mark.parametrize("clip,mode,agg,dual", [s for s in SETTINGS if s[2] in ("token-mean", "seq-mean-token-mean")])
+def test_cpu_eager_gradient_from_the_saved_factor_is_the_recomputed_gradient_bit_for_bit(clip, mode, agg, dual):
+    # float32 eager calls on the CPU keep each token's gradient factor in the forward (policy_loss_fwd_grad) and
+    # scale it in the backward; the traced route recomputes everything in policy_loss_bwd. Same bits, NaN included:
+    # ignored tokens hold NaN inputs, a float mask holds fractional weights, and δ varies per token.
+    from bandpo_lut.runtime import loss as loss_mod
+    from bandpo_lut.runtime import settings as settings_mod
+    lp, olp, adv, mask = make_batch("cpu", torch.float32, seed=5)
+    lp[4, :7] = float("nan")
+    mask[4, :7] = False
+    weights = mask.float() * torch.rand(mask.shape, generator=torch.Generator().manual_seed(2))
+    delta = torch.rand(lp.shape, generator=torch.Generator().manual_seed(3)) * 0.2 + 0.01
+    for m, d in ((mask, 0.05), (weights, 0.05), (None, 0.05), (mask, delta)):
+        options = dict(clip=clip, mode=mode, agg=agg, dual_clip=dual, delta=d)
+        a = lp.clone().requires_grad_()
+        loss, _ = bandpo_lut.policy_loss(a, olp, adv, m, **options)
+        s = settings_mod.resolve(None, options, "test")
+        lp_, olp_, adv_, m_, d_, op_args = loss_mod.op_inputs(lp, olp, adv, m, s)
+        assert type(loss.grad_fn).__name__ == "_EagerLossBackward"
+        n_inputs = sum(t is not None for t in (lp_, olp_, adv_, m_, d_))
+        assert len(loss.grad_fn.saved_tensors) == n_inputs + 2  # the inputs, the factor, row_scale
+        grad_loss = torch.tensor(1.7)
+        (loss * 1.7).backward()
+        _, _, row_scale = torch.ops.bandpo_lut.policy_loss_fwd(lp_, olp_, adv_, m_, d_, *op_args,
+                                                               bandpo_lut.runtime.loss_spec.AGG_ID[agg])
+        recomputed = torch.ops.bandpo_lut.policy_loss_bwd(grad_loss, row_scale, lp_, olp_, adv_, m_, d_, *op_args)
+        assert torch.equal(a.grad.isnan(), recomputed.isnan())
+        assert torch.equal(a.grad.nan_to_num(), recomputed.nan_to_num()), (a.grad - recomputed).abs().max()
+
+
+def test_opcheck_forward_with_gradient_factor():
+    lp, olp, adv, mask = make_batch("cpu", torch.float32, B=4, T=64, seed=7)
+    prep = bandpo_lut.runtime.band.table_args("kl")
+    args = (lp, olp, adv, mask.view(torch.uint8), None, 0.05, prep.coefficients, prep.grid, 0, 0,
+            0.0, 0.0, 10.0, 3.0, 0, 2)
+    torch.library.opcheck(torch.ops.bandpo_lut.policy_loss_fwd_grad, args)

@@ -81,26 +81,32 @@ def test_metrics_from_counts_is_vectorised():
 
 # What a call does besides its one compiled op each way: the ops it dispatches, whether torch.library's Python
 # autograd wrapper runs, and whether its keyword options are validated again.
-_COMPUTE = {"bandpo_lut.policy_loss_fwd.default", "bandpo_lut.policy_loss_bwd.default"}
+_COMPUTE = {"bandpo_lut.policy_loss_fwd.default", "bandpo_lut.policy_loss_bwd.default",
+            "bandpo_lut.policy_loss_fwd_grad.default"}
 # metadata only (no kernel on any device): dtype promotion and the metric vector's views
 _HOST_ONLY = {"aten.promote_types.default", "aten.unbind.int"}
 
 
-def test_one_compiled_op_each_way_and_nothing_that_synchronises():
-    """Eager fwd+bwd dispatches one compiled op each way and, besides, only host-side metadata ops (forward) and
-    autograd's own seed and accumulation (backward): no tensor made per call, no .item()/host read (which on a
-    GPU would be a launch or a synchronisation). Counted per call: forward 1 compute op + 4 metadata ops,
-    backward 1 compute op + autograd's ones_like (the seed) and add_ (accumulating into an existing .grad)."""
-    lp, olp, adv, mask = batch(8, 32)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_one_compiled_op_each_way_and_nothing_that_synchronises(dtype):
+    """Eager fwd+bwd dispatches one compiled op forward and, besides, only host-side metadata ops; no tensor made
+    per call, no .item()/host read (which on a GPU would be a launch or a synchronisation). The backward: the
+    recomputing op, autograd's ones_like (the seed) and add_ (accumulating into an existing .grad); for float32 on
+    the CPU, whose forward keeps each token's gradient factor (policy_loss_fwd_grad), the factor's scaling by
+    grad_loss · row_scale in place of the op: two casts, two products and a view, no host read."""
+    lp, olp, adv, mask = (t.to(dtype) if t.is_floating_point() else t for t in batch(8, 32))
     a = lp.clone().requires_grad_()
     bandpo_lut.policy_loss(a, olp, adv, mask, dual_clip=3.0)[0].backward()   # warm caches; a.grad now exists
     with CountOps() as fwd:
         loss, _ = bandpo_lut.policy_loss(a, olp, adv, mask, dual_clip=3.0)
     with CountOps() as bwd:
         loss.backward()
-    assert [op for op in fwd.ops if op not in _HOST_ONLY] == ["bandpo_lut.policy_loss_fwd.default"], fwd.ops
-    assert sorted(op for op in bwd.ops) == ["aten.add_.Tensor", "aten.ones_like.default",
-                                             "bandpo_lut.policy_loss_bwd.default"], bwd.ops
+    factor_route = dtype == torch.float32
+    forward_op = "bandpo_lut.policy_loss_fwd_grad.default" if factor_route else "bandpo_lut.policy_loss_fwd.default"
+    assert [op for op in fwd.ops if op not in _HOST_ONLY] == [forward_op], fwd.ops
+    backward = (["aten._to_copy.default"] * 2 + ["aten.mul.Tensor"] * 2 + ["aten.unsqueeze.default"]
+                if factor_route else ["bandpo_lut.policy_loss_bwd.default"])
+    assert sorted(bwd.ops) == sorted(["aten.add_.Tensor", "aten.ones_like.default"] + backward), bwd.ops
 
 
 def test_eager_forward_skips_the_python_autograd_wrapper():

@@ -1,5 +1,5 @@
-"""Every compiled op (bounds, clip, clip_backward, policy_loss_fwd, policy_loss_bwd) on its sample inputs
-(tests/support/op_samples.py), on every device: the op's output against an independent reference, and
+"""Every compiled op (bounds, clip, clip_backward, policy_loss_fwd, policy_loss_bwd, policy_loss_fwd_grad) on its
+sample inputs (tests/support/op_samples.py), on every device: the op's output against an independent reference, and
 torch.library.opcheck (schema, fake kernel, autograd registration, AOT dispatch) on the same arguments.
 This is the quick loop's check of a wrong bound, a wrong gradient and a broken registration."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from bandpo_lut.runtime.loss_spec import METRICS
 ops = torch.ops.bandpo_lut
 DTYPES = {"float32": (torch.float32, 1e-5), "float64": (torch.float64, 1e-10)}
 BAND_OPS = ("bounds", "clip", "clip_backward")
-LOSS_OPS = ("policy_loss_fwd", "policy_loss_bwd")
+LOSS_OPS = ("policy_loss_fwd", "policy_loss_bwd", "policy_loss_fwd_grad")
 # declared in Python: per_token (bandpo_lut/runtime/_ops.py) and fused_linear_chunks (the fused-linear loss's chunk
 # loop, bandpo_lut/runtime/fused_linear.py, registered when that module is imported: imported here, so the set is whole)
 PY_OPS = ("per_token", "fused_linear_chunks")
@@ -89,6 +89,12 @@ def test_loss_ops_match_the_reference(device, dtype_name, sample_id):
     args = sample.calls["policy_loss_bwd"][0]
     assert float(args[0]) == pytest.approx(0.7) and torch.equal(args[1], row_scale)
     torch.testing.assert_close(ops.policy_loss_bwd(*args), grad, rtol=rtol, atol=rtol * 1e-3)
+    if device == "cpu":   # the forward that keeps the gradient factor: the forward's bits, and 0.7 · S_b · factor
+        g_loss, g_metrics, g_row_scale, factor = ops.policy_loss_fwd_grad(*sample.calls["policy_loss_fwd_grad"][0])
+        assert torch.equal(g_loss, f_loss) and torch.equal(g_metrics, f_metrics) and torch.equal(g_row_scale, row_scale)
+        assert factor.dtype == (torch.float64 if dtype_name == "float64" else torch.float32)
+        scaled = (factor.double() * 0.7 * row_scale.unsqueeze(1)).to(grad.dtype)
+        torch.testing.assert_close(scaled, grad, rtol=rtol, atol=rtol * 1e-3)
 
 
 def _opcheck(op_name, args, kwargs):
@@ -116,6 +122,8 @@ def test_opcheck_band_ops(device, dtype_name, op_name):
 @pytest.mark.parametrize("dtype_name", OPCHECK_DTYPES)
 @pytest.mark.parametrize("op_name", LOSS_OPS)
 def test_opcheck_loss_ops(device, dtype_name, op_name):
+    if op_name == "policy_loss_fwd_grad" and device != "cpu":
+        pytest.skip("policy_loss_fwd_grad is a CPU op (the GPU's backward recomputes)")
     for sample in _loss(device, dtype_name).values():
         _opcheck(op_name, *sample.calls[op_name])
 

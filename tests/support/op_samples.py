@@ -130,10 +130,26 @@ def loss_samples(device: str, dtype: torch.dtype) -> list[Sample]:
         with _RecordOps(sample):
             loss, _ = bandpo_lut.policy_loss(lp, old.to(**to), adv.to(**to), mask, **kw)
             loss.backward(torch.tensor(0.7, **to))
+        _record_the_other_loss_route(sample, torch.tensor(0.7, **to))
         sample.settings = dict(kw, log_prob=lp.detach(), old_log_prob=old.to(**to), advantages=adv.to(**to),
                                mask=mask, grad_loss=0.7)
         samples.append(sample)
     return samples
+
+
+def _record_the_other_loss_route(sample: Sample, grad_loss: torch.Tensor):
+    """A float32 eager call on the CPU runs policy_loss_fwd_grad (the gradient factor kept for the backward), every
+    other call policy_loss_fwd and policy_loss_bwd: the ops the recorded call did not run, called with its arguments
+    (policy_loss_fwd_grad exists on the CPU only)."""
+    if "policy_loss_fwd_grad" in sample.calls:
+        args, _ = sample.calls["policy_loss_fwd_grad"]
+        with _RecordOps(sample):
+            row_scale = torch.ops.bandpo_lut.policy_loss_fwd(*args)[2]
+            torch.ops.bandpo_lut.policy_loss_bwd(grad_loss, row_scale, *args[:-1])   # all but agg
+    elif grad_loss.device.type == "cpu":
+        args, _ = sample.calls["policy_loss_fwd"]
+        with _RecordOps(sample):
+            torch.ops.bandpo_lut.policy_loss_fwd_grad(*args)
 
 
 def reference_loss(settings: dict):
