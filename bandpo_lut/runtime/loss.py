@@ -5,7 +5,9 @@ docstring is the specification: per-token surrogate, dual clip, the "fixed", "dc
 "clip" and "mask" modes, the four aggregations and the metric names). Here one compiled kernel computes,
 per token, the ratio, the bounds, the surrogate and the metric partial sums, returning only per-row sums
 and 20 counts; the backward kernel recomputes what it needs from the inputs, so the loss saves nothing of
-the input's size. No host synchronisation: works under torch.compile(fullgraph=True).
+the input's size, except in float32 eager calls on the CPU: there the forward also keeps each token's gradient
+factor (one float32 per token until the backward, which then only scales it; the same bits). No host
+synchronisation: works under torch.compile(fullgraph=True).
 
 Counts for exact global metrics: `metrics` holds every count of `COUNTS` next to the fractions. Sum the
 counts over micro-batches and data-parallel ranks (e.g. all-reduce), then call
