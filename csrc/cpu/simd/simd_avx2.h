@@ -170,17 +170,24 @@ struct V {
     return xs[0];
   }
   // exp_expm1 of K vectors in place (e^x into x), interleaved as exp_group.
+  // A subnormal e^x (x < -87.3: a probability below 2^-126) is rare among log-probabilities: where no lane of the K
+  // vectors has one, exp_scale's normal sum alone (the lanes' bits unchanged; ~8 instructions fewer per vector).
   template <int K>
   BANDPO_SIMD_INLINE static void exp_expm1_group(F (&x)[K], F (&em1)[K]) {
     F n[K], r[K], poly[K];
     __m256i ni[K];
     exp_reduce(x, n, ni, r, poly);
+    M tiny = lt(n[0], set1(-125.5f));
+#pragma GCC unroll 8
+    for (int j = 1; j < K; ++j) tiny = mor(tiny, lt(n[j], set1(-125.5f)));
+    const bool any_tiny = any(tiny);
 #pragma GCC unroll 8
     for (int j = 0; j < K; ++j) {
       const __m256i nc = _mm256_max_epi32(ni[j], _mm256_set1_epi32(-30));  // below 2^-30: -1
       const F two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(nc, _mm256_set1_epi32(127)), 23));
       em1[j] = fmadd(two_n, mul(r[j], poly[j]), sub(two_n, set1(1.0f)));
-      x[j] = exp_scale(n[j], ni[j], fmadd(r[j], poly[j], set1(1.0f)));
+      const F s = fmadd(r[j], poly[j], set1(1.0f));
+      x[j] = any_tiny ? exp_scale(n[j], ni[j], s) : exp_scale_normal(ni[j], s);
     }
   }
   // For K vectors, step by step across them: x = n·ln 2 + r (x held in [-104, 88], NaN kept), n as an integer
@@ -211,8 +218,11 @@ struct V {
   // above): n added to s's exponent field, exact where the result is normal (elsewhere the integer sum wraps, in
   // lanes the select drops; NaN n: 0x80000000 << 23 = 0 keeps s's NaN); for the others s·2^(n+149) with n held in
   // [-150, -126], a normal float in every lane (AVX2 has no way to keep a conversion from flagging an operand).
+  BANDPO_SIMD_INLINE static F exp_scale_normal(__m256i ni, F s) {
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(s), _mm256_slli_epi32(ni, 23)));
+  }
   BANDPO_SIMD_INLINE static F exp_scale(F n, __m256i ni, F s) {
-    const F normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(s), _mm256_slli_epi32(ni, 23)));
+    const F normal = exp_scale_normal(ni, s);
     const __m256i ns = _mm256_max_epi32(_mm256_min_epi32(ni, _mm256_set1_epi32(-126)), _mm256_set1_epi32(-150));
     const F y = _mm256_castsi256_ps(
         _mm256_add_epi32(_mm256_castps_si256(s), _mm256_slli_epi32(_mm256_add_epi32(ns, _mm256_set1_epi32(149)), 23)));
