@@ -49,6 +49,8 @@ void block_bounds(const LossParams& params, const DeltaConsts<acc_t>& c, const L
 
 // ---- float32 rows: branch-free blocked passes that vectorise --------------------------------------------
 constexpr int kSums = kNumCounts + 2;  // the 20 counts, then Σ w·loss and Σ w
+// The blocks form the counts and Σ w·loss; Σ w is the token count's sum (each token adds w to both), taken from it.
+constexpr int kBlockSums = kNumCounts + 1;
 
 // Bounds of a block for the baselines (band bounds come from the vectorised band loop); clip_bounds caps. The fixed
 // clip's bounds are two constants (no p: the exp is DCPO's alone), so they are formed once and filled; DCPO's loop
@@ -73,7 +75,7 @@ BANDPO_INLINE void baseline_bounds_f32(const LossParams& params, const float* __
   }
 }
 
-// Tokens [0, m) of a block: forward (SUMS), every token's contribution to the kSums sums into sums[k][i]
+// Tokens [0, m) of a block: forward (SUMS), every token's contribution to the kBlockSums sums into sums[k][i]
 // (ignored tokens and [m, kBlock): exactly 0, whatever their inputs); GRAD, the gradient
 // g · ∂(w·loss_t)/∂log_prob_t into grad[i] (the backward; the forward that keeps the gradient factor, g = 1).
 template <MaskKind MASK, bool SUMS, bool GRAD>
@@ -92,12 +94,11 @@ BANDPO_INLINE void token_block_f32(const LossParams& params, const float* __rest
     if (SUMS) {
       count_terms<float>(o, w, &sums[0][i], kBlock);  // w == 0 gives 0 in every count
       sums[kNumCounts][i] = keep_if(!skip, o.value);
-      sums[kNumCounts + 1][i] = w;
     }
     if (GRAD) grad[i] = g * keep_if(!skip, o.grad);  // g = 1: the factor itself, bit for bit
   }
   if (SUMS && m < kBlock) {
-    for (int k = 0; k < kSums; ++k)
+    for (int k = 0; k < kBlockSums; ++k)
       for (int i = m; i < kBlock; ++i) sums[k][i] = 0.0f;
   }
 }
@@ -107,7 +108,7 @@ BANDPO_INLINE void token_block_f32(const LossParams& params, const float* __rest
 // (the constant inner loops become whole registers); no horizontal sum until the end of the row.
 constexpr int kLanes = 16;
 BANDPO_INLINE void reduce_block(const float (*__restrict sums)[kBlock], double (*__restrict lanes)[kLanes]) {
-  for (int k = 0; k < kSums; ++k) {
+  for (int k = 0; k < kBlockSums; ++k) {
     float acc[kLanes];
     for (int j = 0; j < kLanes; ++j) acc[j] = sums[k][j];
     for (int i = kLanes; i < kBlock; i += kLanes)
@@ -129,8 +130,8 @@ BANDPO_INLINE void row_f32_impl(const LossParams& params, const LossInputs<float
                                 float g, float* grad_row) {
   alignas(64) float lo[kBlock], up[kBlock];
   alignas(64) float w_b[MASK == MaskKind::kNone ? 1 : kBlock];
-  alignas(64) float sums[FWD ? kSums : 1][kBlock];
-  alignas(64) double lanes[FWD ? kSums : 1][kLanes] = {};
+  alignas(64) float sums[FWD ? kBlockSums : 1][kBlock];
+  alignas(64) double lanes[FWD ? kBlockSums : 1][kLanes] = {};
   const DeltaConsts<float> c = delta_consts<float>(static_cast<float>(params.band.delta));
   for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
     const int m = static_cast<int>(n - i0 < kBlock ? n - i0 : kBlock);
@@ -157,8 +158,9 @@ BANDPO_INLINE void row_f32_impl(const LossParams& params, const LossInputs<float
     if (FWD) reduce_block(sums, lanes);
   }
   if (FWD) {
-    for (int k = 0; k < kSums; ++k)
+    for (int k = 0; k < kBlockSums; ++k)
       for (int j = 0; j < kLanes; ++j) totals[k] += lanes[k][j];
+    for (int j = 0; j < kLanes; ++j) totals[kNumCounts + 1] += lanes[kNTokens][j];  // Σ w: the same sum
   }
 }
 
