@@ -8,15 +8,16 @@
 #include <cstddef>
 #include <vector>
 
+#include "cpu/simd/cache_lines.h"
 #include "kl_bit_cells.h"
 
 namespace bandpo {
 
 struct BitCells {
-  std::vector<float> cells;  // [2 * grid.side_cells][8]: side 0 (p <= 1/2), then side 1 (p > 1/2); each cell's
-                             // two cubics interleaved, [q0 κ0 q1 κ1 q2 κ2 q3 κ3] (table_gather.h cubics_from_pairs)
-  BitGrid grid;              // side 0 from 2^-126 (x_tail_lo), side 1's cells below x_lo's cell unused
-  double fit_error = 0.0;    // the largest relative difference from what each cell carries
+  LineAlignedFloats cells;  // [2 * grid.side_cells][8]: side 0 (p <= 1/2), then side 1 (p > 1/2); each cell's
+                            // two cubics interleaved, [q0 κ0 q1 κ1 q2 κ2 q3 κ3] (table_gather.h cubics_from_pairs)
+  BitGrid grid;             // side 0 from 2^-126 (x_tail_lo), side 1's cells below x_lo's cell unused
+  double fit_error = 0.0;   // the largest relative difference from what each cell carries
 };
 
 // Two cubics' coefficients a[0..3], b[0..3] as the AVX2 kernel reads them: out = [a0 b0 a1 b1 a2 b2 a3 b3]

@@ -19,15 +19,16 @@
 #include <vector>
 
 #include "cpu/simd/bit_cells.h"  // interleave_cubics
+#include "cpu/simd/cache_lines.h"
 #include "kl_bit_cells.h"
 
 namespace bandpo {
 
 struct BitPatches {
-  std::vector<float> patches;      // [2 * grid.side_cells][grid.d_cells][kPatchValues], the CPU layout above
-  std::vector<float> delta_cells;  // [grid.d_cells][8]: ρ0 = 1 - e^{-δ} and log ρ0, interleaved (fit_delta_cells)
-  BitGrid grid;                    // bit_patch_grid's
-  double fit_error = 0.0;          // the largest relative difference from the spline (fit_bit_patch)
+  LineAlignedFloats patches;      // [2 * grid.side_cells][grid.d_cells][kPatchValues], the CPU layout above
+  LineAlignedFloats delta_cells;  // [grid.d_cells][8]: ρ0 = 1 - e^{-δ} and log ρ0, interleaved (fit_delta_cells)
+  BitGrid grid;                   // bit_patch_grid's
+  double fit_error = 0.0;         // the largest relative difference from the spline (fit_bit_patch)
 };
 
 // Patches [begin, end) (index c · d_cells + k) in the CPU layout; returns the worst fit error among them (NaN if any
@@ -47,7 +48,7 @@ inline double fit_bit_patches_range(const TableView& tb, const BitGrid& g, std::
 
 // δ's constants over each of its cells (the whole cell: both are smooth for δ > 0): the cubics of ρ0 = -expm1(-δ) and
 // log ρ0 in δ's fraction, interleaved as the patches' rows; returns the largest relative fit error (fit_cell_cubics).
-inline double fit_delta_cells(const BitGrid& g, std::vector<float>& out) {
+inline double fit_delta_cells(const BitGrid& g, LineAlignedFloats& out) {
   out.assign(8 * static_cast<std::size_t>(g.d_cells), 0.0f);
   double worst = 0.0;
   for (int k = 0; k < g.d_cells; ++k) {
