@@ -307,22 +307,34 @@ struct V {
     const __m256i patch = _mm256_add_epi32(_mm256_mullo_epi32(cell, g.d_cells), kd);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(off), _mm256_slli_epi32(patch, 5));  // kPatchValues floats each
   }
-  // For elements [0, m): the powers of δ's fraction summed with whole patch rows (bit_patches.h's layout), leaving
-  // each element one cell row of interleaved (q_up, κ) coefficients in f: rows[8i..8i + 7].
-  BANDPO_SIMD_INLINE static void patch_rows(const float* patches, const std::int32_t* off, const float* gd, float* rows,
-                                            int m) {
-    for (int i = 0; i < m; ++i) {
-      const float* a = patches + off[i];
-      const F g = _mm256_broadcast_ss(gd + i);
-      F acc = fmadd(g, _mm256_loadu_ps(a + 24), _mm256_loadu_ps(a + 16));
-      acc = fmadd(g, acc, _mm256_loadu_ps(a + 8));
-      _mm256_store_ps(rows + 8 * i, fmadd(g, acc, _mm256_loadu_ps(a)));
+  // Ask for 8 elements' patches (two cache lines each) ahead of their patch_cubics: a block's reads are then in
+  // flight together rather than as far as the out-of-order window reaches.
+  BANDPO_SIMD_INLINE static void prefetch_patches(const float* patches, const std::int32_t* off) {
+    for (int e = 0; e < 8; ++e) {
+      const char* a = reinterpret_cast<const char*>(patches + off[e]);
+      _mm_prefetch(a, _MM_HINT_T0);
+      _mm_prefetch(a + 64, _MM_HINT_T0);
     }
   }
-  // q_up and κ of the 8 elements whose cell rows patch_rows left at `rows` (cubics_from_pairs).
-  BANDPO_SIMD_INLINE static void row_cubics(const float* rows, F u, F& q, F& kappa) {
-    const float* const a[8] = {rows, rows + 8, rows + 16, rows + 24, rows + 32, rows + 40, rows + 48, rows + 56};
-    cubics_from_pairs(a, u, q, kappa);  // table_gather.h
+  // q_up and κ of 8 elements from their patches (patch_index's off and δ fractions gd) at x's fractions u: the powers
+  // of δ's fraction summed over the patch rows (bit_patches.h's layout) into each element's cell row, held as the
+  // 128-bit halves cubics_from_pair_halves takes (elements e and e + 4 side by side, each with its own fraction), so
+  // that the rows never go through memory.
+  BANDPO_SIMD_INLINE static void patch_cubics(const float* patches, const std::int32_t* off, const float* gd, F u, F& q,
+                                              F& kappa) {
+    __m256d lo[4], hi[4];
+    for (int e = 0; e < 4; ++e) {
+      const float* a = patches + off[e];
+      const float* b = patches + off[e + 4];
+      const F g = _mm256_set_m128(_mm_broadcast_ss(gd + e + 4), _mm_broadcast_ss(gd + e));
+      for (int h = 0; h < 2; ++h) {
+        const int c = 4 * h;
+        F acc = fmadd(g, lane_pair(a + 24 + c, b + 24 + c), lane_pair(a + 16 + c, b + 16 + c));
+        acc = fmadd(g, acc, lane_pair(a + 8 + c, b + 8 + c));
+        (h == 0 ? lo : hi)[e] = _mm256_castps_pd(fmadd(g, acc, lane_pair(a + c, b + c)));
+      }
+    }
+    cubics_from_pair_halves(lo, hi, u, q, kappa);
   }
   // ρ0 = 1 - e^{-δ} and log ρ0 of 8 elements from their δ cells' rows (patch_index's d_off) at δ's fractions gd.
   BANDPO_SIMD_INLINE static void delta_rows(const float* cells, const std::int32_t* d_off, F gd, F& rho0, F& log_rho0) {

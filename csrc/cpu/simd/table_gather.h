@@ -145,13 +145,12 @@ __attribute__((target("avx2,fma"), always_inline)) inline void cubics_from_cells
 // [u u] pairs, and two shuffles split q and κ back into element order. 12 in-lane shuffles for 8 elements against
 // the two 4x4 transposes' 16 (on AMD Zen 1 the read's limit: ~4% off the clip); each lane's multiply-adds are
 // cubics_from_cells', so the same bits.
-__attribute__((target("avx2,fma"), always_inline)) inline void cubics_from_pairs(const float* const a[8], __m256 u,
-                                                                                 __m256& q, __m256& kap) {
-  __m256d lo[4], hi[4];
-  for (int e = 0; e < 4; ++e) {
-    lo[e] = _mm256_castps_pd(lane_pair(a[e], a[e + 4]));
-    hi[e] = _mm256_castps_pd(lane_pair(a[e] + 4, a[e + 4] + 4));
-  }
+//
+// cubics_from_pair_halves is the evaluation from the rows' halves side by side: lo[e] = [row e's first 4 floats | row
+// e + 4's], hi[e] their last 4.
+__attribute__((target("avx2,fma"), always_inline)) inline void cubics_from_pair_halves(const __m256d lo[4],
+                                                                                       const __m256d hi[4], __m256 u,
+                                                                                       __m256& q, __m256& kap) {
   const __m256 ua = _mm256_unpacklo_ps(u, u), ub = _mm256_unpackhi_ps(u, u);
   const __m256 c0a = _mm256_castpd_ps(_mm256_unpacklo_pd(lo[0], lo[1]));
   const __m256 c1a = _mm256_castpd_ps(_mm256_unpackhi_pd(lo[0], lo[1]));
@@ -165,6 +164,16 @@ __attribute__((target("avx2,fma"), always_inline)) inline void cubics_from_pairs
   const __m256 rb = _mm256_fmadd_ps(ub, _mm256_fmadd_ps(ub, _mm256_fmadd_ps(ub, c3b, c2b), c1b), c0b);
   q = _mm256_shuffle_ps(ra, rb, _MM_SHUFFLE(2, 0, 2, 0));
   kap = _mm256_shuffle_ps(ra, rb, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) inline void cubics_from_pairs(const float* const a[8], __m256 u,
+                                                                                 __m256& q, __m256& kap) {
+  __m256d lo[4], hi[4];
+  for (int e = 0; e < 4; ++e) {
+    lo[e] = _mm256_castps_pd(lane_pair(a[e], a[e + 4]));
+    hi[e] = _mm256_castps_pd(lane_pair(a[e] + 4, a[e + 4] + 4));
+  }
+  cubics_from_pair_halves(lo, hi, u, q, kap);
 }
 
 __attribute__((target("avx2,fma"))) inline void cell_cubics_avx2(const float* __restrict cells,
