@@ -81,8 +81,6 @@ def test_metrics_from_counts_is_vectorised():
 
 # What a call does besides its one compiled op each way: the ops it dispatches, whether torch.library's Python
 # autograd wrapper runs, and whether its keyword options are validated again.
-_COMPUTE = {"bandpo_lut.policy_loss_fwd.default", "bandpo_lut.policy_loss_bwd.default",
-            "bandpo_lut.policy_loss_fwd_grad.default"}
 # metadata only (no kernel on any device): dtype promotion and the metric vector's views
 _HOST_ONLY = {"aten.promote_types.default", "aten.unbind.int"}
 
