@@ -260,11 +260,26 @@ BANDPO_HD float keep_if(bool keep, float w) {
 }
 BANDPO_HD double keep_if(bool keep, double w) { return keep ? w : 0.0; }
 
-// One token's contribution to each of the 20 counts, c[k * stride] (branch-free: bit masks only).
+// Where p_old lies among the counts' edges: at or above each bucket's lower edge (at[k], bucket_edge(k); NaN p: none)
+// and below the low-probability threshold (NaN p: not).
+struct ProbPlace {
+  bool at[kNumBuckets];
+  bool low;
+};
+
 template <typename acc_t>
-BANDPO_HD void count_terms(const TokenTerms<acc_t>& o, acc_t w, acc_t* c, int stride) {
+BANDPO_HD ProbPlace prob_place(acc_t p) {
+  return {{p >= acc_t(bucket_edge(0)), p >= acc_t(bucket_edge(1)), p >= acc_t(bucket_edge(2)),
+           p >= acc_t(bucket_edge(3)), p >= acc_t(bucket_edge(4))},
+          p < acc_t(kLowProb)};
+}
+
+// One token's contribution to each of the 20 counts, c[k * stride] (branch-free: bit masks only), with p_old's place
+// given (the CPU's float32 rows decide it from the log-probability: loss_cpu.cpp LogProbEdges).
+template <typename acc_t>
+BANDPO_HD void count_terms(const TokenTerms<acc_t>& o, acc_t w, const ProbPlace& place, acc_t* c, int stride) {
   const bool clipped = o.clipped_upper | o.clipped_lower;
-  const bool lowprob_pos = (o.p < acc_t(kLowProb)) & o.positive;
+  const bool lowprob_pos = place.low & o.positive;
   const bool finite_up = (o.up - o.up) == acc_t(0);  // one comparison: x - x is NaN for ±inf and NaN
   c[kNTokens * stride] = w;
   c[kNClipped * stride] = keep_if(clipped, w);
@@ -278,8 +293,7 @@ BANDPO_HD void count_terms(const TokenTerms<acc_t>& o, acc_t w, acc_t* c, int st
   c[kNBandFinite * stride] = keep_if(finite_up, w);
   // Buckets [0,.2), [.2,.4), [.4,.6), [.6,.8), [.8, 1], written out (no inner loop: the CPU loops around
   // this stay vectorisable). NaN p is in none.
-  const bool e0 = o.p >= acc_t(bucket_edge(0)), e1 = o.p >= acc_t(bucket_edge(1)), e2 = o.p >= acc_t(bucket_edge(2)),
-             e3 = o.p >= acc_t(bucket_edge(3)), e4 = o.p >= acc_t(bucket_edge(4));
+  const bool e0 = place.at[0], e1 = place.at[1], e2 = place.at[2], e3 = place.at[3], e4 = place.at[4];
   const bool in0 = e0 & !e1, in1 = e1 & !e2, in2 = e2 & !e3, in3 = e3 & !e4, in4 = e4;  // (no bool array:
   c[(kNTokensBucket0 + 0) * stride] = keep_if(in0, w);                                  //  it would sit in memory)
   c[(kNTokensBucket0 + 1) * stride] = keep_if(in1, w);
@@ -291,6 +305,12 @@ BANDPO_HD void count_terms(const TokenTerms<acc_t>& o, acc_t w, acc_t* c, int st
   c[(kNClippedBucket0 + 2) * stride] = keep_if(in2 & clipped, w);
   c[(kNClippedBucket0 + 3) * stride] = keep_if(in3 & clipped, w);
   c[(kNClippedBucket0 + 4) * stride] = keep_if(in4 & clipped, w);
+}
+
+// The same with p_old's place from o.p.
+template <typename acc_t>
+BANDPO_HD void count_terms(const TokenTerms<acc_t>& o, acc_t w, acc_t* c, int stride) {
+  count_terms<acc_t>(o, w, prob_place<acc_t>(o.p), c, stride);
 }
 
 // Add one token's contributions to the counts (sum_t: the accumulator type).
