@@ -13,6 +13,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "band_host.h"
@@ -75,6 +78,46 @@ BANDPO_INLINE void baseline_bounds_f32(const LossParams& params, const float* __
   }
 }
 
+// p_old's place among the counts' edges (loss_element.h ProbPlace) from its float32 log-probability: for each edge,
+// the least float x whose exponential, rounded to float, reaches the edge (as a float, the type the comparison has in
+// float32 arithmetic); then p ≥ edge ⟺ olp ≥ x, and p < kLowProb ⟺ olp < its x. The token pass compares olp with
+// these instead of forming p = e^olp (one exponential per token fewer), and decides as the correctly rounded p would
+// (float64's exponential rounded to float: the correctly rounded one but where e^x lies within ~1e-16 of a rounding
+// boundary, which no threshold here does; tests/runtime/test_loss.py checks the counts around every edge).
+struct LogProbEdges {
+  float at[kNumBuckets];  // olp ≥ at[k] ⟺ p ≥ bucket_edge(k)
+  float low;              // olp < low ⟺ p < kLowProb
+};
+
+// The least float x (-inf to +inf) with float(e^x) ≥ edge: a bisection over the floats in order.
+float least_log_reaching(float edge) {
+  const auto key = [](float x) {  // the floats' order as unsigned integers
+    const auto b = static_cast<std::uint32_t>(float_to_bits(x));
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  };
+  const auto from_key = [](std::uint32_t k) {
+    return bits_to_float(static_cast<std::int32_t>((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k));
+  };
+  const auto reaches = [edge](float x) { return static_cast<float>(std::exp(static_cast<double>(x))) >= edge; };
+  std::uint32_t lo = key(-std::numeric_limits<float>::infinity()), hi = key(std::numeric_limits<float>::infinity());
+  if (reaches(from_key(lo))) return from_key(lo);
+  while (hi - lo > 1) {  // reaches(lo) is false, reaches(hi) true
+    const std::uint32_t mid = lo + (hi - lo) / 2;
+    (reaches(from_key(mid)) ? hi : lo) = mid;
+  }
+  return from_key(hi);
+}
+
+const LogProbEdges& log_prob_edges() {
+  static const LogProbEdges edges = [] {
+    LogProbEdges e{};
+    for (int k = 0; k < kNumBuckets; ++k) e.at[k] = least_log_reaching(static_cast<float>(bucket_edge(k)));
+    e.low = least_log_reaching(static_cast<float>(kLowProb));
+    return e;
+  }();
+  return edges;
+}
+
 // Tokens [0, m) of a block: forward (SUMS), every token's contribution to the kBlockSums sums into sums[k][i]
 // (ignored tokens and [m, kBlock): exactly 0, whatever their inputs); GRAD, the gradient
 // g · ∂(w·loss_t)/∂log_prob_t into grad[i] (the backward; the forward that keeps the gradient factor, g = 1).
@@ -83,16 +126,19 @@ BANDPO_INLINE void token_block_f32(const LossParams& params, const float* __rest
                                    const float* __restrict adv, const void* __restrict mask, const float* __restrict lo,
                                    const float* __restrict up, int m, float g, float* __restrict grad,
                                    float (*__restrict sums)[kBlock]) {
+  const LogProbEdges edges = log_prob_edges();  // a copy: its floats stay in registers
 #pragma omp simd
   for (int i = 0; i < m; ++i) {
     const float w = mask_weight<MASK, float, float>(mask, i);
     const bool skip = w == 0.0f;
     TokenTerms<float> o;
-    // p_old only feeds the counts (buckets, low-probability); the backward does not need it.
-    const float p = SUMS ? exp_f32_normal(olp[i]) : 0.5f;
-    token_terms<float>(params, lp[i], olp[i], adv[i], w, p, lo[i], up[i], o);
+    // p_old only places the token among the counts' edges, decided from olp (LogProbEdges): o.p is not read.
+    token_terms<float>(params, lp[i], olp[i], adv[i], w, /*p=*/0.0f, lo[i], up[i], o);
     if (SUMS) {
-      count_terms<float>(o, w, &sums[0][i], kBlock);  // w == 0 gives 0 in every count
+      const float x = olp[i];
+      const ProbPlace place{{x >= edges.at[0], x >= edges.at[1], x >= edges.at[2], x >= edges.at[3], x >= edges.at[4]},
+                            x < edges.low};
+      count_terms<float>(o, w, place, &sums[0][i], kBlock);  // w == 0 gives 0 in every count
       sums[kNumCounts][i] = keep_if(!skip, o.value);
     }
     if (GRAD) grad[i] = g * keep_if(!skip, o.grad);  // g = 1: the factor itself, bit for bit

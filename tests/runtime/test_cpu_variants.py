@@ -3,7 +3,7 @@ wide-cell kernel and the AVX2 kernel with cells in p's bits for KL with a scalar
 and the loss's token pass), each forced in a fresh process with BANDPO_LUT_CPU_VARIANT: the band accurate against
 the float64 reference reader and mpmath, clip equal to clamp(bounds), the same bits for a token whatever its batch's
 layout, NaN in NaN out; the fused loss
-(its float32 token pass) against the reference loss. A variant the CPU cannot run, or a misspelt one, is refused
+(its float32 token pass) against the reference loss, and its p_old buckets at the edges against float64. A variant the CPU cannot run, or a misspelt one, is refused
 with a Python error at every op that reads the variable (float64 included), never an abort."""
 from __future__ import annotations
 
@@ -306,3 +306,48 @@ def test_the_variable_is_read_once_at_import_by_kernels_and_reports_alike(tmp_pa
         got = _read_at_import(tmp_path, "avx1024", later)
         assert got["facts"] is None and "'avx1024'" in got["build_info"], got
         assert "BANDPO_LUT_CPU_VARIANT='avx1024'" in got["error"] and "read once" in got["error"], got
+
+
+EDGE_CHECK = r"""
+import json
+import numpy as np, torch
+import bandpo_lut
+from bandpo_lut.runtime import _extension
+from bandpo_lut.reference import policy_loss as spec
+
+assert _extension.facts()["cpu"]["variant"] == VARIANT
+edges = [lo for _, lo, _ in spec.BUCKETS]
+around = []
+for e in edges[1:]:
+    x = np.float32(np.log(np.float32(e)))
+    around.append(x + np.arange(-150, 151, dtype=np.float32) * np.spacing(x))  # the 301 floats around log(edge)
+olp = np.concatenate(around + [np.array([-np.inf, -0.0, 0.0, np.nan, -1e-30, -104.0], dtype=np.float32)])
+olp = np.tile(olp, 3)                                           # rows longer than a block, a partial last block
+t = torch.from_numpy(olp).reshape(1, -1)
+_, m = bandpo_lut.policy_loss(t.clone(), t, torch.ones_like(t), None)
+with np.errstate(invalid="ignore"):
+    p = np.exp(olp.astype(np.float64)).astype(np.float32)      # e^olp correctly rounded to float32
+    want = {}
+    for (name, lo, hi), edge_hi in zip(spec.BUCKETS, edges[1:] + [None]):
+        inside = p >= np.float32(lo)
+        if edge_hi is not None:
+            inside &= p < np.float32(edge_hi)
+        want["n_tokens_" + name] = int(inside.sum())
+    want["n_lowprob_pos"] = int((p < np.float32(spec.LOWPROB)).sum())
+print(json.dumps({"got": {k: int(m[k].item()) for k in want}, "want": want}))
+"""
+
+
+@pytest.mark.parametrize("variant", SUPPORTED)
+def test_each_variant_places_p_old_at_the_edges_as_its_correctly_rounded_exponential(tmp_path, variant):
+    """Float32 log-probabilities on the 301 floats around each bucket edge's logarithm (the low-probability
+    threshold is the same 0.2), NaN, -inf, ±0, -1e-30 and -104: each bucket's token count and the low-probability
+    count are those of p = e^olp correctly rounded to float32 (float64's exponential rounded, numpy's) compared with
+    the edges as float32. The float32 token pass decides from olp itself (no exponential per token: loss_cpu.cpp
+    LogProbEdges); a threshold one float off moves a token across an edge here. (The GPU forms p with its expf,
+    within 2 ulp: there a token within 2 ulp of an edge may fall either side.)"""
+    env = fresh_env()
+    env["BANDPO_LUT_CPU_VARIANT"] = variant
+    proc = run_fresh(["-c", f"VARIANT = {variant!r}\n" + EDGE_CHECK], cwd=tmp_path, env=env, check=True)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["got"] == out["want"], out
