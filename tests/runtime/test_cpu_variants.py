@@ -2,9 +2,9 @@
 wide-cell kernel and the AVX2 kernel with cells in p's bits for KL with a scalar δ, the x86-64-v3 and baseline loops,
 and the loss's token pass), each forced in a fresh process with BANDPO_LUT_CPU_VARIANT: the band accurate against
 the float64 reference reader and mpmath, clip equal to clamp(bounds), the same bits for a token whatever its batch's
-layout, NaN in NaN out; the fused loss
-(its float32 token pass) against the reference loss, and its p_old buckets at the edges against float64. A variant the CPU cannot run, or a misspelt one, is refused
-with a Python error at every op that reads the variable (float64 included), never an abort."""
+layout, NaN in NaN out; the fused loss (its float32 token pass) against the reference loss, and its p_old buckets
+at the edges against float64. A variant the CPU cannot run, or a misspelt one, is refused with a Python error at
+every op that reads the variable (float64 included), never an abort."""
 from __future__ import annotations
 
 import json
