@@ -26,6 +26,9 @@
 // no call may cross from code of one target to another.
 #define BANDPO_INLINE __attribute__((always_inline)) inline
 #define BANDPO_SIMD_INLINE inline __attribute__((always_inline))
+// The same for a lambda the intrinsics kernel hands to a pass (after its parameter list): GCC otherwise may keep a
+// large one out of line, called per vector with its constants reloaded (the per-token tails: +50% on their decades).
+#define BANDPO_SIMD_LAMBDA __attribute__((always_inline))
 
 // ---- CPU variants (csrc/cpu/cpu_variant.h is the dispatcher) --------------------------------------------------
 // BANDPO_CPU_MULTIVERSION: GCC on x86-64 compiles the CPU kernels once per variant (AVX-512 = x86-64-v4,
