@@ -83,7 +83,7 @@ BANDPO_INLINE void baseline_bounds_f32(const LossParams& params, const float* __
 // float32 arithmetic); then p ≥ edge ⟺ olp ≥ x, and p < kLowProb ⟺ olp < its x. The token pass compares olp with
 // these instead of forming p = e^olp (one exponential per token fewer), and decides as the correctly rounded p would
 // (float64's exponential rounded to float: the correctly rounded one but where e^x lies within ~1e-16 of a rounding
-// boundary, which no threshold here does; tests/runtime/test_loss.py checks the counts around every edge).
+// boundary, which no threshold here does; tests/runtime/test_cpu_variants.py checks the counts around every edge).
 struct LogProbEdges {
   float at[kNumBuckets];  // olp ≥ at[k] ⟺ p ≥ bucket_edge(k)
   float low;              // olp < low ⟺ p < kLowProb
