@@ -141,10 +141,11 @@ struct V {
     return add(logc, fmadd(mul(r, r), log_series(r), r));
   }
 
-  // e^x for x <= 88 (NaN stays NaN, below -104 gives 0): the series of exp_f32_reduced, then, as the AVX-512 type's
-  // exp does, 2^n added to the exponent field where the result is 2^-126 or more (n >= -125), and below that the
-  // result assembled from its bits (y = e^r·2^(n+149), exact and below 2^24; the float with the bits round(y)):
-  // no floating-point instruction produces or reads a subnormal, and no multiplication is spent on the scaling.
+  // e^x for x <= 88 (NaN stays NaN, below -104 gives 0), the exponential of the lower bound's exponent L (lower_pass):
+  // exp_reduce's shorter form (ln 2 as one float, a degree-6 polynomial), then, as the AVX-512 type's exp does, 2^n
+  // added to the exponent field where the result is 2^-126 or more (n >= -125), and below that the result assembled
+  // from its bits (y = e^r·2^(n+149), exact and below 2^24; the float with the bits round(y)): no floating-point
+  // instruction produces or reads a subnormal, and no multiplication is spent on the scaling.
   BANDPO_SIMD_INLINE static F exp(F x) {
     F xs[1] = {x};
     exp_group(xs);
@@ -158,7 +159,7 @@ struct V {
   BANDPO_SIMD_INLINE static void exp_group(F (&x)[K]) {
     F n[K], r[K], poly[K];
     __m256i ni[K];
-    exp_reduce(x, n, ni, r, poly);
+    exp_reduce</*PROB=*/false>(x, n, ni, r, poly);
 #pragma GCC unroll 8
     for (int j = 0; j < K; ++j) x[j] = exp_scale(n[j], ni[j], fmadd(r[j], poly[j], set1(1.0f)));
   }
@@ -176,7 +177,7 @@ struct V {
   BANDPO_SIMD_INLINE static void exp_expm1_group(F (&x)[K], F (&em1)[K]) {
     F n[K], r[K], poly[K];
     __m256i ni[K];
-    exp_reduce(x, n, ni, r, poly);
+    exp_reduce</*PROB=*/true>(x, n, ni, r, poly);
     M tiny = lt(n[0], set1(-125.5f));
 #pragma GCC unroll 8
     for (int j = 1; j < K; ++j) tiny = mor(tiny, lt(n[j], set1(-125.5f)));
@@ -191,8 +192,13 @@ struct V {
     }
   }
   // For K vectors, step by step across them: x = n·ln 2 + r (x held in [-104, 88], NaN kept), n as an integer
-  // (NaN: 0x80000000), and poly with e^r = 1 + r·poly (the series to r^7).
-  template <int K>
+  // (NaN: 0x80000000), and poly with e^r = 1 + r·poly.
+  // PROB (a probability from its logarithm, exp_expm1_group: its error is every bound's): ln 2 in two parts and the
+  // series to r^7. Otherwise (e^L, the lower bound: exp_group) two multiply-adds fewer per vector, where the kernel is
+  // bound by throughput (AMD Zen 1: 4% of the clip from p): ln 2 as one float, whose error puts n·1.9e-9 into r, a
+  // relative error of e^L below 2.8e-9·|L| (the lower bound's bar is 3e-7·(1 + |L|)), and a minimax polynomial of
+  // degree 6 (max relative error on |r| <= 0.35 in float32 arithmetic: 7.2e-8, the series' 6.2e-8).
+  template <bool PROB, int K>
   BANDPO_SIMD_INLINE static void exp_reduce(F (&x)[K], F (&n)[K], __m256i (&ni)[K], F (&r)[K], F (&poly)[K]) {
 #pragma GCC unroll 8
     for (int j = 0; j < K; ++j) {
@@ -202,28 +208,39 @@ struct V {
 #pragma GCC unroll 8
     for (int j = 0; j < K; ++j) {
       ni[j] = _mm256_cvtps_epi32(n[j]);
-      r[j] = _mm256_fnmadd_ps(n[j], set1(kLn2Lo), _mm256_fnmadd_ps(n[j], set1(kLn2Hi), x[j]));
+      r[j] = PROB ? _mm256_fnmadd_ps(n[j], set1(kLn2Lo), _mm256_fnmadd_ps(n[j], set1(kLn2Hi), x[j]))
+                  : _mm256_fnmadd_ps(n[j], set1(kLn2), x[j]);
     }
     F s[K];
+    if (PROB) {
 #pragma GCC unroll 8
-    for (int j = 0; j < K; ++j) s[j] = fmadd(r[j], set1(1.0f / 5040), set1(1.0f / 720));
-    for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f}) {
+      for (int j = 0; j < K; ++j) s[j] = fmadd(r[j], set1(1.0f / 5040), set1(1.0f / 720));
+      for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f}) {
 #pragma GCC unroll 8
-      for (int j = 0; j < K; ++j) s[j] = fmadd(r[j], s[j], set1(c));
+        for (int j = 0; j < K; ++j) s[j] = fmadd(r[j], s[j], set1(c));
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int j = 0; j < K; ++j) s[j] = fmadd(r[j], set1(kExpMinimax[5]), set1(kExpMinimax[4]));
+      for (const float c : {kExpMinimax[3], kExpMinimax[2], kExpMinimax[1], kExpMinimax[0]}) {
+#pragma GCC unroll 8
+        for (int j = 0; j < K; ++j) s[j] = fmadd(r[j], s[j], set1(c));
+      }
     }
 #pragma GCC unroll 8
     for (int j = 0; j < K; ++j) poly[j] = s[j];
   }
   // s·2^n (s = e^r in [0.70, 1.42], n in [-150, 127]) without a subnormal operand or result on the way (see exp
   // above): n added to s's exponent field, exact where the result is normal (elsewhere the integer sum wraps, in
-  // lanes the select drops; NaN n: 0x80000000 << 23 = 0 keeps s's NaN); for the others s·2^(n+149) with n held in
-  // [-150, -126], a normal float in every lane (AVX2 has no way to keep a conversion from flagging an operand).
+  // lanes the select drops; NaN n: 0x80000000 << 23 = 0 keeps s's NaN); for the others s·2^(n+149) with n held at
+  // -126 or below, a normal float in every lane (AVX2 has no way to keep a conversion from flagging an operand): n is
+  // -150 or more wherever the select keeps it (x >= -104), and NaN n's lane takes the normal sum.
   BANDPO_SIMD_INLINE static F exp_scale_normal(__m256i ni, F s) {
     return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(s), _mm256_slli_epi32(ni, 23)));
   }
   BANDPO_SIMD_INLINE static F exp_scale(F n, __m256i ni, F s) {
     const F normal = exp_scale_normal(ni, s);
-    const __m256i ns = _mm256_max_epi32(_mm256_min_epi32(ni, _mm256_set1_epi32(-126)), _mm256_set1_epi32(-150));
+    const __m256i ns = _mm256_min_epi32(ni, _mm256_set1_epi32(-126));
     const F y = _mm256_castsi256_ps(
         _mm256_add_epi32(_mm256_castps_si256(s), _mm256_slli_epi32(_mm256_add_epi32(ns, _mm256_set1_epi32(149)), 23)));
     const F tiny = _mm256_castsi256_ps(_mm256_cvtps_epi32(y));  // to nearest even (MXCSR's default)
