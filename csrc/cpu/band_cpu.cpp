@@ -101,14 +101,14 @@ std::shared_ptr<const BitPatches> bit_patches(const TableView& tb) {
     if (!bit_patch_grid(tb, made->grid)) return nullptr;
     const BitGrid& g = made->grid;
     const std::int64_t n = 2 * static_cast<std::int64_t>(g.side_cells) * g.d_cells;
-    made->patches.resize(static_cast<std::size_t>(n) * kPatchValues);
+    made->patches.resize(static_cast<std::size_t>(n + g.d_cells) * kPatchValues);  // and the tail patches
     std::vector<double> worst(static_cast<std::size_t>(at::get_num_threads()) + 1, 0.0);
     at::parallel_for(0, n, 256, [&](std::int64_t begin, std::int64_t end) {
       const double e = fit_bit_patches_range(tb, g, begin, end, made->patches.data());
       double& w = worst[static_cast<std::size_t>(at::get_thread_num())];
       if (!(e <= w)) w = e;  // NaN sticks
     });
-    worst.push_back(fit_delta_cells(g, made->delta_cells));
+    worst.push_back(fit_tail_patches(g, made->patches.data() + n * kPatchValues));
     for (const double e : worst) {
       if (!(e <= made->fit_error)) made->fit_error = e;
     }
@@ -279,8 +279,7 @@ avx2::V::Tables bit_cells(const BandParams& band) {
 // The per-token patches in the bits of p and δ and their geometry, for the AVX2 kernel.
 avx2::V::PatchTables bit_patch_tables(const BandParams& band) {
   const BitPatches& b = *band.token_bits;
-  return {b.patches.data(), b.delta_cells.data(), b.grid.side_cells, b.grid.d_cells,
-          b.grid.first_key, b.grid.d_first_key,   b.grid.x_lo};
+  return {b.patches.data(), b.grid.side_cells, b.grid.d_cells, b.grid.first_key, b.grid.d_first_key, b.grid.x_lo};
 }
 #endif
 

@@ -10,10 +10,13 @@
 // (bit_cells.h, table_gather.h cubics_from_pairs).
 //
 // The tails (x below x_lo) need δ's constants per element (1 - e^{-δ} and its logarithm: kl_tail_upper,
-// kl_tail_lower_log): δ's cells carry them too, as cubics in δ's fraction (fit_delta_cells), so that a tail element
-// reads them as a cell row instead of taking an expm1 and a logarithm of its own δ.
+// kl_tail_lower_log): a last row of patches, one per δ cell after the cells of x (fit_tail_patches), carries them as
+// cubics in δ's fraction, constant in x's, so that the main path's patch read gives a tail element its δ's constants
+// in place of q_up and κ (whose tails it does not use) instead of an expm1 and a logarithm of its own δ, or a second
+// read.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <vector>
@@ -25,10 +28,10 @@
 namespace bandpo {
 
 struct BitPatches {
-  LineAlignedFloats patches;      // [2 * grid.side_cells][grid.d_cells][kPatchValues], the CPU layout above
-  LineAlignedFloats delta_cells;  // [grid.d_cells][8]: ρ0 = 1 - e^{-δ} and log ρ0, interleaved (fit_delta_cells)
-  BitGrid grid;                   // bit_patch_grid's
-  double fit_error = 0.0;         // the largest relative difference from the spline (fit_bit_patch)
+  LineAlignedFloats patches;  // [2 * grid.side_cells + 1][grid.d_cells][kPatchValues], the CPU layout above; the
+                              // last row: the tail patches (fit_tail_patches)
+  BitGrid grid;               // bit_patch_grid's
+  double fit_error = 0.0;     // the largest relative difference from the spline (fit_bit_patch)
 };
 
 // Patches [begin, end) (index c · d_cells + k) in the CPU layout; returns the worst fit error among them (NaN if any
@@ -46,10 +49,13 @@ inline double fit_bit_patches_range(const TableView& tb, const BitGrid& g, std::
   return worst;
 }
 
-// δ's constants over each of its cells (the whole cell: both are smooth for δ > 0): the cubics of ρ0 = -expm1(-δ) and
-// log ρ0 in δ's fraction, interleaved as the patches' rows; returns the largest relative fit error (fit_cell_cubics).
-inline double fit_delta_cells(const BitGrid& g, LineAlignedFloats& out) {
-  out.assign(8 * static_cast<std::size_t>(g.d_cells), 0.0f);
+// The tail patches: for each of δ's cells (the whole cell: both are smooth for δ > 0) the cubics of ρ0 = -expm1(-δ)
+// and log ρ0 in δ's fraction, as a patch whose row n holds their coefficients of g^n where q_0 and κ_0 go, and zeros
+// in x's powers: read at any fraction of x it gives (ρ0, log ρ0) where a patch gives (q_up, κ), bit for bit the
+// cubics in δ's fraction (the x cubic adds u·0 to them). `out`: d_cells patches; returns the largest relative fit
+// error (fit_cell_cubics).
+inline double fit_tail_patches(const BitGrid& g, float* out) {
+  std::fill(out, out + static_cast<std::size_t>(g.d_cells) * kPatchValues, 0.0f);
   double worst = 0.0;
   for (int k = 0; k < g.d_cells; ++k) {
     double d0, dw;
@@ -62,7 +68,11 @@ inline double fit_delta_cells(const BitGrid& g, LineAlignedFloats& out) {
           b = std::log(a);
         },
         fit);
-    interleave_cubics(fit, fit + 4, &out[8 * static_cast<std::size_t>(k)]);
+    float* const patch = out + static_cast<std::size_t>(k) * kPatchValues;
+    for (int n = 0; n < 4; ++n) {
+      patch[8 * n] = fit[n];          // ρ0's coefficient of g^n, as q_0
+      patch[8 * n + 1] = fit[4 + n];  // log ρ0's, as κ_0
+    }
     if (!(e <= worst)) worst = e;
   }
   return worst;

@@ -282,32 +282,35 @@ struct V {
   }
 
   // Per-token δ from the patches in the bits of p and δ (bit_patches.h), read by kl_simd_body.inc kl_token_bits_run_w:
-  // where they lie (the GPU's layout, no tail cells) and the table's δ range.
+  // where they lie (the GPU's layout, no tail cells, then the tail patches) and the table's δ range.
   struct PatchTables {
     const float* patches;
-    const float* delta_cells;
     int side_cells, d_cells;
     std::int32_t first_key, d_first_key;
     float x_lo;
   };
   struct PatchGrid {
-    __m256i first_key, last_cell, side_cells, d_first_key, d_last, d_cells;
+    __m256i first_key, last_cell, side_cells, d_first_key, d_last, d_cells, tail_cell, x_lo_bits;
     F x_lo;
   };
   BANDPO_SIMD_INLINE static PatchGrid patch_grid(const PatchTables& tb) {
-    return {_mm256_set1_epi32(tb.first_key),
-            _mm256_set1_epi32(tb.side_cells - 1),
-            _mm256_set1_epi32(tb.side_cells),
-            _mm256_set1_epi32(tb.d_first_key),
-            _mm256_set1_epi32(tb.d_cells - 1),
-            _mm256_set1_epi32(tb.d_cells),
-            set1(tb.x_lo)};
+    PatchGrid g;
+    g.first_key = _mm256_set1_epi32(tb.first_key);
+    g.last_cell = _mm256_set1_epi32(tb.side_cells - 1);
+    g.side_cells = _mm256_set1_epi32(tb.side_cells);
+    g.d_first_key = _mm256_set1_epi32(tb.d_first_key);
+    g.d_last = _mm256_set1_epi32(tb.d_cells - 1);
+    g.d_cells = _mm256_set1_epi32(tb.d_cells);
+    g.tail_cell = _mm256_set1_epi32(2 * tb.side_cells);  // the tail patches' row
+    g.x_lo_bits = _mm256_castps_si256(set1(tb.x_lo));
+    g.x_lo = set1(tb.x_lo);
+    return g;
   }
   // Each lane's patch (kl_bit_cells.h kl_bits_token_delta's, from the signed x of prob_pass and a δ already on the
-  // table's range): off = its first float, u and gd the fractions of x and δ in their cells (exact). x below the
-  // first cell, 0 and NaN read a patch whose values the tails or the NaN replace.
-  BANDPO_SIMD_INLINE static void patch_index(const PatchGrid& g, F x, F d, std::int32_t* off, std::int32_t* d_off,
-                                             float* u, float* gd) {
+  // table's range): off = its first float, u and gd the fractions of x and δ in their cells (exact). x below x_lo
+  // (0 included; the tails' lanes) reads its δ cell's tail patch (bit_patches.h: δ's constants for the tails), NaN a
+  // patch whose values the NaN replaces.
+  BANDPO_SIMD_INLINE static void patch_index(const PatchGrid& g, F x, F d, std::int32_t* off, float* u, float* gd) {
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
     const __m256i low_mask = _mm256_set1_epi32((1 << BitGrid::kShift) - 1);
@@ -315,12 +318,12 @@ struct V {
     __m256i cell = _mm256_sub_epi32(_mm256_srli_epi32(mag, BitGrid::kShift), g.first_key);
     cell = _mm256_min_epi32(_mm256_max_epi32(cell, _mm256_setzero_si256()), g.last_cell);
     cell = _mm256_add_epi32(cell, _mm256_and_si256(_mm256_srai_epi32(bits, 31), g.side_cells));
+    cell = _mm256_blendv_epi8(cell, g.tail_cell, _mm256_cmpgt_epi32(g.x_lo_bits, mag));  // |x| < x_lo, on the bits
     const __m256i db = _mm256_castps_si256(d);
     __m256i kd = _mm256_sub_epi32(_mm256_srli_epi32(db, BitGrid::kShift), g.d_first_key);
     kd = _mm256_min_epi32(_mm256_max_epi32(kd, _mm256_setzero_si256()), g.d_last);
     _mm256_storeu_ps(u, mul(_mm256_cvtepi32_ps(_mm256_and_si256(mag, low_mask)), frac));
     _mm256_storeu_ps(gd, mul(_mm256_cvtepi32_ps(_mm256_and_si256(db, low_mask)), frac));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d_off), _mm256_slli_epi32(kd, 3));  // δ's cell row (8 floats)
     const __m256i patch = _mm256_add_epi32(_mm256_mullo_epi32(cell, g.d_cells), kd);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(off), _mm256_slli_epi32(patch, 5));  // kPatchValues floats each
   }
@@ -352,10 +355,6 @@ struct V {
       }
     }
     cubics_from_pair_halves(lo, hi, u, q, kappa);
-  }
-  // ρ0 = 1 - e^{-δ} and log ρ0 of 8 elements from their δ cells' rows (patch_index's d_off) at δ's fractions gd.
-  BANDPO_SIMD_INLINE static void delta_rows(const float* cells, const std::int32_t* d_off, F gd, F& rho0, F& log_rho0) {
-    rows_at(cells, d_off, gd, rho0, log_rho0);
   }
 
   // The per-token δ patches (table_gather.h).
