@@ -211,24 +211,16 @@ struct V {
       r[j] = PROB ? _mm256_fnmadd_ps(n[j], set1(kLn2Lo), _mm256_fnmadd_ps(n[j], set1(kLn2Hi), x[j]))
                   : _mm256_fnmadd_ps(n[j], set1(kLn2), x[j]);
     }
-    F s[K];
-    if (PROB) {
+    // poly by Horner's rule from the highest coefficient (c[0] the constant term)
+    constexpr int kTop = PROB ? 6 : 5;
+    constexpr const float* c = PROB ? kExpSeries : kExpMinimax;
 #pragma GCC unroll 8
-      for (int j = 0; j < K; ++j) s[j] = fmadd(r[j], set1(1.0f / 5040), set1(1.0f / 720));
-      for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f}) {
+    for (int j = 0; j < K; ++j) poly[j] = fmadd(r[j], set1(c[kTop]), set1(c[kTop - 1]));
 #pragma GCC unroll 8
-        for (int j = 0; j < K; ++j) s[j] = fmadd(r[j], s[j], set1(c));
-      }
-    } else {
+    for (int d = kTop - 2; d >= 0; --d) {
 #pragma GCC unroll 8
-      for (int j = 0; j < K; ++j) s[j] = fmadd(r[j], set1(kExpMinimax[5]), set1(kExpMinimax[4]));
-      for (const float c : {kExpMinimax[3], kExpMinimax[2], kExpMinimax[1], kExpMinimax[0]}) {
-#pragma GCC unroll 8
-        for (int j = 0; j < K; ++j) s[j] = fmadd(r[j], s[j], set1(c));
-      }
+      for (int j = 0; j < K; ++j) poly[j] = fmadd(r[j], poly[j], set1(c[d]));
     }
-#pragma GCC unroll 8
-    for (int j = 0; j < K; ++j) poly[j] = s[j];
   }
   // s·2^n (s = e^r in [0.70, 1.42], n in [-150, 127]) without a subnormal operand or result on the way (see exp
   // above): n added to s's exponent field, exact where the result is normal (elsewhere the integer sum wraps, in

@@ -20,6 +20,8 @@ constexpr float kLn2Hi = 0.693145751953125f;  // ln 2 = kLn2Hi + kLn2Lo; k·kLn2
 constexpr float kLn2Lo = 1.428606765330187e-06f;
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2 = 0.693147180559945309f;  // rounded to float: 1.9e-9 above ln 2
+// e^r = 1 + r·(c0 + c1·r + ... + c6·r^6): the series to r^7 (the probability's exponential, exp_f32_reduced's).
+constexpr float kExpSeries[7] = {1.0f, 0.5f, 1.0f / 6, 1.0f / 24, 1.0f / 120, 1.0f / 720, 1.0f / 5040};
 // e^r = 1 + r·(c0 + c1·r + ... + c5·r^5) on |r| <= 0.35, minimax in relative error (iteratively reweighted least
 // squares in float64, coefficients rounded to float; max relative error 7.2e-8 evaluated in float32 by Horner's
 // rule): the AVX2 lower bound's e^L.
