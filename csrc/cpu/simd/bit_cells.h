@@ -13,9 +13,15 @@
 
 namespace bandpo {
 
+// What the cells hold is scaled for the kernel's one division, by p·2^24 (kl_simd_body.inc kl_up_scaled_v): q_up
+// times 2^24 (exact) and κ times -δ·2^24 (the coefficients scaled in double, rounded once more), so that the upper
+// bound and the lower bound's exponent are one multiplication each by 1/(p·2^24).
+constexpr double kBitCellScale = 16777216.0;  // 2^24, the kernel's kProbScale (simd_common.h)
+
 struct BitCells {
   LineAlignedFloats cells;  // [2 * grid.side_cells][8]: side 0 (p <= 1/2), then side 1 (p > 1/2); each cell's
-                            // two cubics interleaved, [q0 κ0 q1 κ1 q2 κ2 q3 κ3] (table_gather.h cubics_from_pairs)
+                            // two cubics interleaved, [q0 κ0 q1 κ1 q2 κ2 q3 κ3] (table_gather.h cubics_from_pairs),
+                            // scaled: 2^24·q_up and -δ·2^24·κ
   BitGrid grid;             // side 0 from 2^-126 (x_tail_lo), side 1's cells below x_lo's cell unused
   double fit_error = 0.0;   // the largest relative difference from what each cell carries
 };
@@ -40,6 +46,10 @@ inline bool fit_bit_cells(const TableView& tb, const double* cell_d, double delt
   for (int c = 0; c < n; ++c) {
     float fit[8];  // fit_bit_cell's order: q0..q3, then κ0..κ3
     const double e = fit_bit_cell(tb, cell_d, dc, out.grid, c, fit);
+    for (int j = 0; j < 4; ++j) {
+      fit[j] = static_cast<float>(kBitCellScale * fit[j]);
+      fit[4 + j] = static_cast<float>(-delta * kBitCellScale * fit[4 + j]);
+    }
     interleave_cubics(fit, fit + 4, &out.cells[static_cast<std::size_t>(c) * 8]);
     worst = (e > worst || e != e) ? e : worst;
     if (e != e) break;

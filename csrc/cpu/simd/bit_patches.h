@@ -5,15 +5,16 @@
 // them, whose patches would exceed kMaxPatchBytes, or one of whose fits misses kBitCellsTolerance keeps the pair table.
 //
 // The CPU layout of a patch: four rows of 8 floats, row n the coefficients of g^n, q_up's and κ's interleaved
-// ([q_0 κ_0 q_1 κ_1 q_2 κ_2 q_3 κ_3], index m the power of f): the powers of g are summed with whole rows (one
-// 256-bit multiply-add per power), which leaves one cell row per element in the layout of the scalar-δ cells
-// (bit_cells.h, table_gather.h cubics_from_pairs).
+// ([q_0 κ_0 q_1 κ_1 q_2 κ_2 q_3 κ_3], index m the power of f), times 2^24 (exact) as the kernel divides by p·2^24
+// (kl_simd_body.inc kl_up_scaled_v): the powers of g are summed with whole rows (one 256-bit multiply-add per power),
+// which leaves one cell row per element in the layout of the scalar-δ cells (bit_cells.h, table_gather.h
+// cubics_from_pairs).
 //
 // The tails (x below x_lo) need δ's constants per element (1 - e^{-δ} and its logarithm: kl_tail_upper,
 // kl_tail_lower_log): a last row of patches, one per δ cell after the cells of x (fit_tail_patches), carries them as
-// cubics in δ's fraction, constant in x's, so that the main path's patch read gives a tail element its δ's constants
-// in place of q_up and κ (whose tails it does not use) instead of an expm1 and a logarithm of its own δ, or a second
-// read.
+// cubics in δ's fraction (not scaled), constant in x's, so that the main path's patch read gives a tail element its δ's
+// constants in place of q_up and κ (whose tails it does not use) instead of an expm1 and a logarithm of its own δ, or
+// a second read.
 #pragma once
 
 #include <algorithm>
@@ -42,6 +43,7 @@ inline double fit_bit_patches_range(const TableView& tb, const BitGrid& g, std::
   for (std::int64_t i = begin; i < end; ++i) {
     float fit[kPatchValues];  // fit_bit_patch's order: [plane][n][m]
     const double e = fit_bit_patch(tb, g, static_cast<int>(i / g.d_cells), static_cast<int>(i % g.d_cells), fit);
+    for (float& v : fit) v *= static_cast<float>(kBitCellScale);
     for (int n = 0; n < 4; ++n) interleave_cubics(fit + 4 * n, fit + 16 + 4 * n, patches + i * kPatchValues + 8 * n);
     if (!(e <= worst)) worst = e;  // NaN sticks
     if (worst != worst) break;
