@@ -110,8 +110,8 @@ struct V {
     return _mm512_mask_blend_ps(unord(x, x), y, x);
   }
 
-  // e^x for x <= 88: e^r by its series to r^7 (as exp_f32_reduced), times 2^n by adding n to the exponent field
-  // where the result is 2^-126 or more (n >= -125), and below that assembled from its bits as exp_f32 does (no
+  // e^x for x <= 88 (the lower bound's e^L): e^r by exp_reduce's shorter form, times 2^n by adding n to the exponent
+  // field where the result is 2^-126 or more (n >= -125), and below that assembled from its bits as exp_f32 does (no
   // floating-point instruction produces or reads a subnormal): y = e^r·2^(n+149) is exact and below 2^24, and the
   // float with the bits round(y) is the correctly rounded result. Below -104 the result is 0; NaN stays NaN.
   // The scaling is integer arithmetic, not vscalefps: on AMD Zen 4 vscalefps runs at half the FMA's rate on the FMA
@@ -119,7 +119,7 @@ struct V {
   BANDPO_SIMD_INLINE static F exp(F x) {
     F n, r, poly;
     __m512i shift;
-    exp_reduce(x, n, shift, r, poly);
+    exp_reduce</*PROB=*/false>(x, n, shift, r, poly);
     return exp_scale(n, shift, fmadd(r, poly, set1(1.0f)));
   }
   // exp and exp_expm1 of K vectors (kl_simd_body.inc): one at a time; the AVX2 type says why it interleaves them.
@@ -138,7 +138,7 @@ struct V {
   BANDPO_SIMD_INLINE static F exp_expm1(F x, F& em1) {
     F n, r, poly;
     __m512i shift;
-    exp_reduce(x, n, shift, r, poly);
+    exp_reduce</*PROB=*/true>(x, n, shift, r, poly);
     // 2^max(n, -30) from its bits (below 2^-30, e^x - 1 rounds to -1); NaN n: any scale (r·poly is NaN)
     const __m512i held = _mm512_max_epi32(shift, _mm512_set1_epi32(-30 << 23));
     const F two_n = _mm512_castsi512_ps(_mm512_add_epi32(held, _mm512_set1_epi32(127 << 23)));
@@ -146,19 +146,23 @@ struct V {
     return exp_scale(n, shift, fmadd(r, poly, set1(1.0f)));
   }
   // x = n·ln 2 + r (x held in [-104, 88], NaN kept), n·2^23 as an integer (the exponent field's increment), and
-  // poly with e^r = 1 + r·poly (the series to r^7).
+  // poly with e^r = 1 + r·poly. PROB (a probability from its logarithm, exp_expm1: its error is every bound's): ln 2
+  // in two parts and the series to r^7. Otherwise (e^L, the lower bound: exp) the AVX2 type's shorter form, two
+  // FMA-pipe instructions fewer per vector: ln 2 as one float (n·1.9e-9 into r: a relative error of e^L below
+  // 2.8e-9·|L|, under the lower bound's bar of 3e-7·(1 + |L|)) and the degree-6 minimax polynomial kExpMinimax.
+  template <bool PROB>
   BANDPO_SIMD_INLINE static void exp_reduce(F& x, F& n, __m512i& shift, F& r, F& poly) {
     x = min(set1(88.0f), max(set1(-104.0f), x));  // NaN passes (second operands)
     n = _mm512_roundscale_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     shift = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);  // NaN: 0x80000000 << 23 = 0
-    r = _mm512_fnmadd_ps(n, set1(kLn2Hi), x);
-    r = _mm512_fnmadd_ps(n, set1(kLn2Lo), r);
-    F s = fmadd(r, set1(1.0f / 5040), set1(1.0f / 720));
-    s = fmadd(r, s, set1(1.0f / 120));
-    s = fmadd(r, s, set1(1.0f / 24));
-    s = fmadd(r, s, set1(1.0f / 6));
-    s = fmadd(r, s, set1(0.5f));
-    poly = fmadd(r, s, set1(1.0f));
+    r = PROB ? _mm512_fnmadd_ps(n, set1(kLn2Lo), _mm512_fnmadd_ps(n, set1(kLn2Hi), x))
+             : _mm512_fnmadd_ps(n, set1(kLn2), x);
+    // poly by Horner's rule from the highest coefficient (c[0] the constant term)
+    constexpr int kTop = PROB ? 6 : 5;
+    constexpr const float* c = PROB ? kExpSeries : kExpMinimax;
+    poly = fmadd(r, set1(c[kTop]), set1(c[kTop - 1]));
+#pragma GCC unroll 8
+    for (int d = kTop - 2; d >= 0; --d) poly = fmadd(r, poly, set1(c[d]));
   }
   // s·2^n (s = e^r in [0.70, 1.42], n in [-150, 127]) without a subnormal operand or result on the way (see exp
   // above): n added to s's exponent field, exact where the result is normal; 149 more, and the bits rounded from
