@@ -24,7 +24,7 @@ constexpr float kLn2 = 0.693147180559945309f;  // rounded to float: 1.9e-9 above
 constexpr float kExpSeries[7] = {1.0f, 0.5f, 1.0f / 6, 1.0f / 24, 1.0f / 120, 1.0f / 720, 1.0f / 5040};
 // e^r = 1 + r·(c0 + c1·r + ... + c5·r^5) on |r| <= 0.35, minimax in relative error (iteratively reweighted least
 // squares in float64, coefficients rounded to float; max relative error 7.2e-8 evaluated in float32 by Horner's
-// rule): the AVX2 lower bound's e^L.
+// rule): the lower bound's e^L in the AVX2 and AVX-512 kernels.
 constexpr float kExpMinimax[6] = {1.0f,
                                   0.4999999403953552f,
                                   0.16666430234909058f,
