@@ -144,7 +144,7 @@ inline BandParams make_params(const at::Tensor& table, c10::ArrayRef<double> gri
   band.cell_d = nullptr;
   band.wide = nullptr;
   band.bits = nullptr;
-  band.pairs = nullptr;
+  band.token_cubics = nullptr;
   band.token_bits = nullptr;
   band.s_axis = band.table.ns > 1 ? token_s_axis(band.table) : TokenSAxis{};
   band.closed_f[0] = closed_delta<float>(band.divergence, delta);

@@ -102,12 +102,12 @@ struct BandParams {
   double delta;      // the scalar δ (when no per-token δ tensor is given)
   int delta_js;      // scalar δ: its s-axis cell and B-spline weights, for collapsing the table
   double delta_ws[4];
-  const float* cell_f;    // scalar δ, KL: [nt - 1][8] power-basis cubics per t cell (q_up, κ), float
-  const double* cell_d;   // the same in double, for float64 inputs
-  const WideCells* wide;  // CPU only (csrc/cpu/simd/wide_cells.h): the same re-cut into 32 wide cells, or null
-  const BitCells* bits;   // CPU only (csrc/cpu/simd/bit_cells.h): the same re-cut into cells in p's bits, or null
-  BitGrid bit_grid;       // where the cells in p's bits lie: the CPU's (`bits`), or the GPU's (kCellsBits kernels)
-  const float* pairs;     // CPU only, per-token δ, KL: the table with its planes interleaved (table_gather.h), or null
+  const float* cell_f;        // scalar δ, KL: [nt - 1][8] power-basis cubics per t cell (q_up, κ), float
+  const double* cell_d;       // the same in double, for float64 inputs
+  const WideCells* wide;      // CPU only (csrc/cpu/simd/wide_cells.h): the same re-cut into 32 wide cells, or null
+  const BitCells* bits;       // CPU only (csrc/cpu/simd/bit_cells.h): the same re-cut into cells in p's bits, or null
+  BitGrid bit_grid;           // where the cells in p's bits lie: the CPU's (`bits`), or the GPU's (kCellsBits kernels)
+  const float* token_cubics;  // CPU only, per-token δ, KL: the t-cubic table (table_gather.h), or null
   const BitPatches* token_bits;  // CPU only, per-token δ, KL: the patches in p's and δ's bits (bit_patches.h), or null
   TokenSAxis s_axis;             // the table's s axis for a per-token float δ (token_s_axis, on the host)
   ClosedDelta<float> closed_f[3];  // closed forms in float: the scalar δ, δ_min, δ_max (closed_delta, on the host)

@@ -73,8 +73,8 @@ std::shared_ptr<const CellPolys> cell_polys(const BandParams& band) {
   });
 }
 
-// Per-token δ: the pair table, keyed by the geometry and a sample of the coefficients (the pairs are a copy of
-// them, so a table of the same geometry at the same address must differ in the key: table_key).
+// Per-token δ: the t-cubic table, keyed by the geometry and a sample of the coefficients (it is computed from them, so
+// a table of the same geometry at the same address must differ in the key: table_key).
 constexpr int kKeySample = 16;
 struct TableKey {
   double values[6 + kKeySample];
@@ -86,15 +86,15 @@ TableKey table_key(const TableView& tb) {
   return key;
 }
 
-std::shared_ptr<const std::vector<float>> pair_table(const TableView& tb) {
-  return cached_per_table<std::vector<float>>(tb.coef, table_key(tb).values, 16, [&tb] {
-    return std::make_shared<const std::vector<float>>(make_pair_table(tb));
+std::shared_ptr<const LineAlignedFloats> token_cubic_table(const TableView& tb) {
+  return cached_per_table<LineAlignedFloats>(tb.coef, table_key(tb).values, 16, [&tb] {
+    return std::make_shared<const LineAlignedFloats>(make_token_cubics(tb));
   });
 }
 
-// Per-token δ, the AVX2 kernel: the patches in the bits of p and δ, keyed as the pair table; null where the table does
-// not allow them or a fit misses (bit_patches.h). Fitted across the threads (the shipped table: ~1e5 patches, about a
-// second of one core), once per table and process.
+// Per-token δ, the AVX2 kernel: the patches in the bits of p and δ, keyed as the t-cubic table; null where the table
+// does not allow them or a fit misses (bit_patches.h). Fitted across the threads (the shipped table: ~1e5 patches,
+// about a second of one core), once per table and process.
 std::shared_ptr<const BitPatches> bit_patches(const TableView& tb) {
   return cached_per_table<BitPatches>(tb.coef, table_key(tb).values, 4, [&tb]() -> std::shared_ptr<const BitPatches> {
     auto made = std::make_shared<BitPatches>();
@@ -121,14 +121,14 @@ CpuTables attach_tables(BandParams& band, bool per_token) {
   CpuTables keep;
   if (!reads_table(band.divergence)) return keep;
   if (per_token) {
-    // The fused kernels form a pair index (it·row + 2·js) in float: exact below 2^24 (the shipped table: 1e5 floats). A
-    // larger user table keeps the baseline loops, whose indices are 64-bit.
-    const double floats = 2.0 * (band.table.nt + 2) * (band.table.ns + 2);
+    // The fused kernels form an index into the t-cubic table (8·(it·ncol + js)) in float: exact below 2^24 (the
+    // shipped table: 4.1e5 floats). A larger user table keeps the baseline loops, whose indices are 64-bit.
+    const double floats = 8.0 * (band.table.nt - 1) * (band.table.ns + 2);
     if (floats < 16777216.0) {
-      keep.pairs = pair_table(band.table);
-      band.pairs = keep.pairs->data();
+      keep.token_cubics = token_cubic_table(band.table);
+      band.token_cubics = keep.token_cubics->data();
 #if defined(BANDPO_HAVE_KL_SIMD)
-      if (cpu_variant() == CpuVariant::kAvx2) {  // the one kernel that reads them (beside the pair grid's δ range)
+      if (cpu_variant() == CpuVariant::kAvx2) {  // the one kernel that reads them (beside the token grid's δ range)
         keep.patches = bit_patches(band.table);
         band.token_bits = keep.patches.get();
       }
@@ -292,17 +292,17 @@ BANDPO_INLINE void f32_contiguous_body(const FastRun& run, bool log_input, bool 
   const bool kl = run.band->divergence == Divergence::kKL;
   if constexpr (V == CpuVariant::kAvx512) {
     if (kl && !token && run.band->wide != nullptr) return avx512::kl_scalar(run, *run.band->wide, log_input, clip);
-    if (kl && token && run.band->pairs != nullptr) {
-      return avx512::kl_token(run, pair_grid(*run.band), log_input, clip);
+    if (kl && token && run.band->token_cubics != nullptr) {
+      return avx512::kl_token(run, token_grid(*run.band), log_input, clip);
     }
   }
   if constexpr (V == CpuVariant::kAvx2) {
     if (kl && !token && run.band->bits != nullptr) return avx2::kl_scalar(run, bit_cells(*run.band), log_input, clip);
-    if (kl && token && run.band->token_bits != nullptr && run.band->pairs != nullptr) {
-      return avx2::kl_token_bits<avx2::V>(run, pair_grid(*run.band), bit_patch_tables(*run.band), log_input, clip);
+    if (kl && token && run.band->token_bits != nullptr && run.band->token_cubics != nullptr) {
+      return avx2::kl_token_bits<avx2::V>(run, token_grid(*run.band), bit_patch_tables(*run.band), log_input, clip);
     }
-    if (kl && token && run.band->pairs != nullptr) {
-      return avx2::kl_token(run, pair_grid(*run.band), log_input, clip);
+    if (kl && token && run.band->token_cubics != nullptr) {
+      return avx2::kl_token(run, token_grid(*run.band), log_input, clip);
     }
   }
 #endif

@@ -23,12 +23,12 @@ struct CellPolys {
 std::shared_ptr<const CellPolys> cell_polys(const BandParams& band);
 
 // What the CPU kernels read besides the table itself, for a KL band (nothing for the closed forms): the scalar δ's
-// cell cubics, or the per-token δ's pair table (cpu/simd/table_gather.h) and, for the AVX2 kernel, its patches in the
-// bits of p and δ (cpu/simd/bit_patches.h), computed once per table (and δ) and cached; `attach_tables` points `band`
-// at them and returns what keeps them alive.
+// cell cubics, or the per-token δ's t-cubic table (cpu/simd/table_gather.h) and, for the AVX2 kernel, its patches in
+// the bits of p and δ (cpu/simd/bit_patches.h), computed once per table (and δ) and cached; `attach_tables` points
+// `band` at them and returns what keeps them alive.
 struct CpuTables {
   std::shared_ptr<const CellPolys> cells;
-  std::shared_ptr<const std::vector<float>> pairs;
+  std::shared_ptr<const LineAlignedFloats> token_cubics;
   std::shared_ptr<const BitPatches> patches;  // null where they do not exist (bit_patches.h)
 };
 CpuTables attach_tables(BandParams& band, bool per_token);

@@ -280,9 +280,10 @@ print(json.dumps(out))
 @pytest.mark.parametrize("variant", SUPPORTED)
 def test_cpu_per_token_at_the_cell_edges_against_mpmath(tmp_path, truth, token_truth, variant):
     """The CPU op with a per-token δ (the AVX2 kernel reads patches in the bits of p and δ: csrc/cpu/simd/
-    bit_patches.h; the other variants the pair table) at every edge point with its own δ (token_truth: δ's cell edges
-    among them), p and log p, against mpmath within the accuracy bars; each point's bits the same among other
-    neighbours in long runs (the tails' pass in some of their blocks, not in others)."""
+    bit_patches.h; AVX-512 the t-cubic table, table_gather.h; the baseline loops the B-spline patches) at every edge
+    point with its own δ (token_truth: δ's cell edges among them), p and log p, against mpmath within the accuracy
+    bars; each point's bits the same among other neighbours in long runs (the tails' pass in some of their blocks, not
+    in others)."""
     p, logp, _ = truth
     d, exact_token = token_truth
     env = fresh_env()

@@ -2,7 +2,8 @@
 // from x_lo's on both sides, δ's cells from δ_min's): one patch per (cell of x, cell of δ), the bicubics of q_up and κ
 // in the two fractions. Fitted once per table on the host (δ does not enter: a patch spans its δ cell) and cached
 // (band_cpu.cpp); read by the AVX2 kernel (kl_simd_body.inc kl_token_bits_run_w). A table whose grid does not allow
-// them, whose patches would exceed kMaxPatchBytes, or one of whose fits misses kBitCellsTolerance keeps the pair table.
+// them, whose patches would exceed kMaxPatchBytes, or one of whose fits misses kBitCellsTolerance keeps the t-cubic
+// table.
 //
 // The CPU layout of a patch: four rows of 8 floats, row n the coefficients of g^n, q_up's and κ's interleaved
 // ([q_0 κ_0 q_1 κ_1 q_2 κ_2 q_3 κ_3], index m the power of f), times 2^24 (exact) as the kernel divides by p·2^24

@@ -348,13 +348,6 @@ struct V {
     }
     cubics_from_pair_halves(lo, hi, u, q, kappa);
   }
-
-  // The per-token δ patches (table_gather.h).
-  BANDPO_SIMD_INLINE static void read_patches(const float* pairs, int row, const std::int32_t* idx,
-                                              const float* const wt[4], const float* const ws[4], float* q,
-                                              float* kappa, int m) {
-    pair_patches_lanes_avx2(pairs, row, idx, wt, ws, q, kappa, m);
-  }
 };
 
 }  // namespace avx2

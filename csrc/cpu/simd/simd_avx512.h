@@ -195,13 +195,6 @@ struct V {
           fmadd(kappa, v, _mm512_permutex2var_ps(_mm512_load_ps(&w.kappa[j][0]), idx, _mm512_load_ps(&w.kappa[j][16])));
     }
   }
-
-  // The per-token δ patches (table_gather.h).
-  BANDPO_SIMD_INLINE static void read_patches(const float* pairs, int row, const std::int32_t* idx,
-                                              const float* const wt[4], const float* const ws[4], float* q,
-                                              float* kappa, int m) {
-    pair_patches_avx2(pairs, row, idx, wt, ws, q, kappa, m);
-  }
 };
 
 }  // namespace avx512

@@ -1,16 +1,16 @@
 // The table reads of the CPU band loops (the one part the compiler will not vectorise), for elements whose cell
 // indices and fractions are already computed: per element, the cubics of its t cell (scalar δ: cubics_from_cells, for
 // the blocked loops' cell_cubics where the CPU has AVX2+FMA, checked at run time; cubics_from_pairs for the fused
-// AVX2 kernel's cells in p's bits) or
-// the 4x4 B-spline patches of its (t, s) cell (per-token δ: patches_scalar in the blocked loops of the baseline ISA;
-// in the fused kernels, from the pair table whose patch rows are 256-bit runs, pair_patches_avx2 for AVX-512 and
-// pair_patches_lanes_avx2 for AVX2).
+// AVX2 kernel's cells in p's bits) or its (t, s) cell of the per-token δ spline (patches_scalar, the 4x4 B-spline
+// patches, in the blocked loops of the baseline ISA; token_cubics_avx2 in the fused kernels, from the t-cubic table:
+// per t cell and s column, the cubic in t's fraction of both planes, one 256-bit run).
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "bandpo_math.h"
+#include "cpu/simd/cache_lines.h"
 
 #include "macros.h"  // BANDPO_HAVE_X86_GATHER
 
@@ -20,12 +20,11 @@
 
 namespace bandpo {
 
-// A per-token δ KL read as the fused kernels see it: the table with its two planes interleaved, so that
-// pairs[i·row + 2j] = q_up coefficient (i, j) and the next float is κ's (make_pair_table); the t axis as axis_cell
+// A per-token δ KL read as the fused kernels see it: the t-cubic table (make_token_cubics); the t axis as axis_cell
 // computes it in float; the δ range as delta_valid and delta_in_range see it; and the s axis as TokenSAxis.
-struct PairGrid {
-  const float* pairs;
-  int row;                          // floats per t row: 2·(ns + 2)
+struct TokenGrid {
+  const float* cubics;
+  int ncol;                         // s columns: ns + 2
   float t_lo, t_hi, t_step, t_inv;  // t axis: first and last node, step, 1/step
   int t_last;                       // last cell: nt - 2
   TokenSAxis s;
@@ -34,22 +33,38 @@ struct PairGrid {
   float delta_min, delta_max;  // delta_in_range
 };
 
-inline std::vector<float> make_pair_table(const TableView& tb) {
-  const std::int64_t ncol = tb.ns + 2, plane = static_cast<std::int64_t>(tb.nt + 2) * ncol;
-  std::vector<float> pairs(2 * static_cast<size_t>(plane));
-  for (std::int64_t k = 0; k < plane; ++k) {
-    pairs[2 * k] = tb.coef[k];
-    pairs[2 * k + 1] = tb.coef[plane + k];
+// The t-cubic table of a per-token δ KL table: for t cell i (nt - 1 of them) and s column j (ns + 2), 8 floats at
+// 8·(i·ncol + j): the power-basis coefficients a0..a3 of q_up's column j on that cell, Σ_k a_k·u^k = Σ_a w_a(u)·c(i +
+// a, j) with w the cubic B-spline weights at the t fraction u, then κ's. An element of cell (i, js) reads columns
+// js..js+3 as one 128-byte run (two or three cache lines where the B-spline patch's four rows take four to eight),
+// needs no t weights, and its s weights combine the four runs before one cubic in u per plane (token_cubics_avx2).
+// Formed from the stored float coefficients in double and rounded once: a0 ≈ the value, within 0.5 ulp; a1..a3 its
+// differences.
+inline LineAlignedFloats make_token_cubics(const TableView& tb) {
+  const std::int64_t ncol = tb.ns + 2, plane = static_cast<std::int64_t>(tb.nt + 2) * ncol, cells = tb.nt - 1;
+  LineAlignedFloats out(8 * static_cast<std::size_t>(cells * ncol));
+  for (std::int64_t i = 0; i < cells; ++i) {
+    for (std::int64_t j = 0; j < ncol; ++j) {
+      for (int b = 0; b < 2; ++b) {
+        double c[4];
+        for (int a = 0; a < 4; ++a) c[a] = tb.coef[b * plane + (i + a) * ncol + j];
+        float* d = &out[8 * static_cast<std::size_t>(i * ncol + j) + 4 * static_cast<std::size_t>(b)];
+        d[0] = static_cast<float>((c[0] + 4.0 * c[1] + c[2]) / 6.0);
+        d[1] = static_cast<float>((c[2] - c[0]) / 2.0);
+        d[2] = static_cast<float>((c[0] - 2.0 * c[1] + c[2]) / 2.0);
+        d[3] = static_cast<float>((3.0 * (c[1] - c[2]) + c[3] - c[0]) / 6.0);
+      }
+    }
   }
-  return pairs;
+  return out;
 }
 
-// The PairGrid of a band whose `pairs` are attached (band_cpu.cpp attach_tables).
-inline PairGrid pair_grid(const BandParams& band) {
+// The TokenGrid of a band whose `token_cubics` are attached (band_cpu.cpp attach_tables).
+inline TokenGrid token_grid(const BandParams& band) {
   const TableView& tb = band.table;
-  PairGrid g;
-  g.pairs = band.pairs;
-  g.row = 2 * (tb.ns + 2);
+  TokenGrid g;
+  g.cubics = band.token_cubics;
+  g.ncol = tb.ns + 2;
   g.t_lo = static_cast<float>(tb.t_min);
   g.t_hi = static_cast<float>(tb.t_min + (tb.nt - 1) * tb.t_step);
   g.t_step = static_cast<float>(tb.t_step);
@@ -191,121 +206,45 @@ __attribute__((target("avx2,fma"))) inline void cell_cubics_avx2(const float* __
   cell_cubics_scalar(cells, it, ut, q, kap, i, m);
 }
 
-// The last step of both patch reads for a group of 8 elements at i: r[2b] = their q row sums at s offset b, r[2b + 1]
-// their κ ones, each element in its lane; the s weights applied across them and the coefficients (1, 1) added.
-__attribute__((target("avx2,fma"), always_inline)) inline void store_patch_sums(const __m256 r[8], __m256 q_base,
-                                                                                __m256 k_base, const float* const ws[4],
-                                                                                int i, float* __restrict q,
-                                                                                float* __restrict kap) {
-  const __m256 w0 = _mm256_loadu_ps(ws[0] + i), w1 = _mm256_loadu_ps(ws[1] + i);
-  const __m256 w2 = _mm256_loadu_ps(ws[2] + i), w3 = _mm256_loadu_ps(ws[3] + i);
-  __m256 qv = _mm256_mul_ps(w0, r[0]), kv = _mm256_mul_ps(w0, r[1]);
-  qv = _mm256_fmadd_ps(w1, r[2], qv);
-  kv = _mm256_fmadd_ps(w1, r[3], kv);
-  qv = _mm256_fmadd_ps(w2, r[4], qv);
-  kv = _mm256_fmadd_ps(w2, r[5], kv);
-  _mm256_storeu_ps(q + i, _mm256_add_ps(q_base, _mm256_fmadd_ps(w3, r[6], qv)));
-  _mm256_storeu_ps(kap + i, _mm256_add_ps(k_base, _mm256_fmadd_ps(w3, r[7], kv)));
-}
-
-// The per-token δ table read of the fused KL kernels (kl_simd_body.inc), from the pair table (PairGrid): an
-// element's two 4x4 patches are four 256-bit rows (the 4 coefficients of a patch row in both planes, interleaved),
-// which its t weights combine; the row sums of 8 elements are transposed and their s weights applied across the
-// elements. Elements [0, m), m a multiple of 8: every buffer must hold values there (the kernel fills whole vectors).
-// idx[i]: element i's first pair, it·row + 2·js; wt[a][i], ws[b][i]: its B-spline weights along t and s.
+// The per-token δ read of the fused KL kernels (kl_simd_body.inc), from the t-cubic table (TokenGrid): for each
+// element, the four 8-float runs of its s columns js..js+3 (idx[i] = 8·(it·ncol + js)) combined by its s weights, then
+// the two cubics in its t fraction ut[i], 8 elements at a time (their combined runs transposed, one element per lane).
+// Elements [0, m), m a multiple of 8: every buffer must hold values there (the kernel fills whole vectors).
+// ws[0], ws[1], ws[2]: the B-spline weights of columns js, js + 2 and js + 3.
 //
-// The sum is taken of the differences from the patch's coefficient (1, 1) and that coefficient added last:
-// Σ w_a·w_b·c_ab = c_11 + Σ w_a·w_b·(c_ab - c_11), the products w_a·w_b summing to 1 (the kernels pass t weights 6
-// times the B-spline's and s weights 1/6 of theirs: kl_simd_body.inc bspline_weights6_v). In float the weights'
-// rounding (their products sum to 1 only to a few ulp) and the sixteen roundings of the sum then act on differences
-// of a few per cent of the value rather than on the value: the bound's float error falls from ~4e-7 to ~1e-7
-// relative.
-// The coefficient (1, 1) is taken from row 1's register (one permute), not loaded twice more: an iteration's loads
-// (~90 for 8 elements when it was loaded, ~74 now) fill the load queue, so fewer loads let more of the next iteration
-// issue (AMD EPYC, through the op, random p and δ: ~4% less time; replacing the 32 weight broadcasts by in-register
-// permutes as well cost 6%: the shuffle pipes are the other limit). For the same reason a row-pair table (rows i and
-// i + 1 interleaved: ~3.5 cache lines per patch instead of ~5.5) was slower, 5.0-5.3 ns per element against 4.5-4.9:
-// its row sums need a horizontal step per element (docs/performance.md, "Per-token δ").
-__attribute__((target("avx2,fma"), always_inline)) inline void pair_patches_avx2(
-    const float* __restrict pairs, int row, const int* __restrict idx, const float* const wt[4],
-    const float* const ws[4], float* __restrict q, float* __restrict kap, int m) {
+// Column js + 1's weight is not used: the sum is taken as run_1 + Σ_{b≠1} w_b·(run_b - run_1), equal to Σ_b w_b·run_b
+// for weights that sum to 1, which the B-spline's do exactly while their float values do only to a few ulp. So the
+// weights' rounding and the products' act on the differences between neighbouring columns (a few per cent of the
+// value). Of run 1 the value-sized a0 (both planes) is kept out of the sums and the transpose, taken across the 8
+// elements by two rows of a second transpose, and added last, to the cubic in u: one rounding of the value instead of
+// two (tools/measure_accuracy.py, 10^5 points, per-token upper / lower 4.56e-7 / 2.58e-7 with a0 added per element,
+// 4.26e-7 / 2.22e-7 so; ~3% of the read's time).
+__attribute__((target("avx2,fma"), always_inline)) inline void token_cubics_avx2(
+    const float* __restrict cubics, const std::int32_t* __restrict idx, const float* __restrict ut,
+    const float* const ws[3], float* __restrict q, float* __restrict kap, int m) {
+  const __m256 zero = _mm256_setzero_ps();
   for (int i = 0; i < m; i += 8) {
-    __m256 r[8];
-    __m256d c11s[8];  // each element's pair (1, 1), in every 64-bit lane: [q k q k q k q k]
+    __m256 r[8], run1[8];
 #pragma GCC unroll 8
     for (int e = 0; e < 8; ++e) {
-      const float* b = pairs + idx[i + e];
-      const __m256 row1 = _mm256_loadu_ps(b + row);
-      c11s[e] = _mm256_permute4x64_pd(_mm256_castps_pd(row1), 0x55);  // the pair at floats 2, 3 of row 1
-      const __m256 c11 = _mm256_castpd_ps(c11s[e]);
-      __m256 acc = _mm256_mul_ps(_mm256_broadcast_ss(wt[0] + i + e), _mm256_sub_ps(_mm256_loadu_ps(b), c11));
-      acc = _mm256_fmadd_ps(_mm256_broadcast_ss(wt[1] + i + e), _mm256_sub_ps(row1, c11), acc);
-      acc = _mm256_fmadd_ps(_mm256_broadcast_ss(wt[2] + i + e), _mm256_sub_ps(_mm256_loadu_ps(b + 2 * row), c11), acc);
-      r[e] = _mm256_fmadd_ps(_mm256_broadcast_ss(wt[3] + i + e), _mm256_sub_ps(_mm256_loadu_ps(b + 3 * row), c11), acc);
+      const float* b = cubics + idx[i + e];
+      run1[e] = _mm256_loadu_ps(b + 8);
+      __m256 acc = _mm256_mul_ps(_mm256_broadcast_ss(ws[0] + i + e), _mm256_sub_ps(_mm256_loadu_ps(b), run1[e]));
+      acc = _mm256_fmadd_ps(_mm256_broadcast_ss(ws[1] + i + e), _mm256_sub_ps(_mm256_loadu_ps(b + 16), run1[e]), acc);
+      acc = _mm256_fmadd_ps(_mm256_broadcast_ss(ws[2] + i + e), _mm256_sub_ps(_mm256_loadu_ps(b + 24), run1[e]), acc);
+      r[e] = _mm256_add_ps(acc, _mm256_blend_ps(run1[e], zero, 0x11));  // a0 of both planes kept apart
     }
-    transpose8x8(r);  // r[2b]: the q row sums at s offset b of the 8 elements, r[2b + 1]: the κ ones
-    // The base pairs as [q0 k0 .. q3 k3], [q4 k4 .. q7 k7], then split into q and κ in element order.
-    const __m256 p0 = _mm256_castpd_ps(
-        _mm256_blend_pd(_mm256_blend_pd(c11s[0], c11s[1], 0x2), _mm256_blend_pd(c11s[2], c11s[3], 0x8), 0xC));
-    const __m256 p1 = _mm256_castpd_ps(
-        _mm256_blend_pd(_mm256_blend_pd(c11s[4], c11s[5], 0x2), _mm256_blend_pd(c11s[6], c11s[7], 0x8), 0xC));
-    const __m256 q_base = _mm256_castpd_ps(
-        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(p0, p1, 0x88)), 0xD8));  // [q0 q1 q4 q5 | q2 q3 q6 q7]
-    const __m256 k_base =
-        _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(p0, p1, 0xDD)), 0xD8));
-    store_patch_sums(r, q_base, k_base, ws, i, q, kap);
-  }
-}
-
-// One pair of pair_patches_lanes_avx2: elements e = E and E + 4 of the group at idx, whose t weights are lanes E and
-// E + 4 of wt_v. lo = their row sums at s offsets 0-1 ([q0 κ0 q1 κ1], element E in the low lane, E + 4 in the high),
-// hi at 2-3, base = [q κ q κ] of their coefficients (1, 1).
-template <int E>
-__attribute__((target("avx2,fma"), always_inline)) inline void pair_row_sums_lanes(const float* __restrict pairs,
-                                                                                   int row, const int* __restrict idx,
-                                                                                   const __m256 wt_v[4], __m256& lo,
-                                                                                   __m256& hi, __m256& base) {
-  const float* b0 = pairs + idx[E];
-  const float* b1 = pairs + idx[E + 4];
-  const __m256 lo1 = lane_pair(b0 + row, b1 + row);
-  base = _mm256_permute_ps(lo1, 0xEE);              // the pair at floats 2, 3 of row 1, twice in each lane
-  __m256 w = _mm256_permute_ps(wt_v[0], 0x55 * E);  // element E's weight in the low lane, E + 4's in the high
-  __m256 acc_lo = _mm256_mul_ps(w, _mm256_sub_ps(lane_pair(b0, b1), base));
-  __m256 acc_hi = _mm256_mul_ps(w, _mm256_sub_ps(lane_pair(b0 + 4, b1 + 4), base));
-  w = _mm256_permute_ps(wt_v[1], 0x55 * E);
-  acc_lo = _mm256_fmadd_ps(w, _mm256_sub_ps(lo1, base), acc_lo);
-  acc_hi = _mm256_fmadd_ps(w, _mm256_sub_ps(lane_pair(b0 + row + 4, b1 + row + 4), base), acc_hi);
-  w = _mm256_permute_ps(wt_v[2], 0x55 * E);
-  acc_lo = _mm256_fmadd_ps(w, _mm256_sub_ps(lane_pair(b0 + 2 * row, b1 + 2 * row), base), acc_lo);
-  acc_hi = _mm256_fmadd_ps(w, _mm256_sub_ps(lane_pair(b0 + 2 * row + 4, b1 + 2 * row + 4), base), acc_hi);
-  w = _mm256_permute_ps(wt_v[3], 0x55 * E);
-  lo = _mm256_fmadd_ps(w, _mm256_sub_ps(lane_pair(b0 + 3 * row, b1 + 3 * row), base), acc_lo);
-  hi = _mm256_fmadd_ps(w, _mm256_sub_ps(lane_pair(b0 + 3 * row + 4, b1 + 3 * row + 4), base), acc_hi);
-}
-
-// pair_patches_avx2 with every shuffle inside 128-bit lanes, for CPUs whose lane-crossing permutes are slow (AMD
-// Zen 1 splits a 256-bit operation in two and runs vperm2f128 as 8 µops, vpermpd as 3; Intel runs both on its one
-// shuffle port): the fused AVX2 kernel's read. The same sums in the same order, so the same bits. Elements e and
-// e + 4 of a group of 8 share registers: each patch row is read as two 128-bit halves (s offsets 0-1 and 2-3, both
-// planes), element e's beside element e + 4's (lane_pair), and the t weights of the two are taken from the group's
-// weight vector by an in-lane permute instead of two broadcasts; the row sums then need only in-lane transposes.
-__attribute__((target("avx2,fma"), always_inline)) inline void pair_patches_lanes_avx2(
-    const float* __restrict pairs, int row, const int* __restrict idx, const float* const wt[4],
-    const float* const ws[4], float* __restrict q, float* __restrict kap, int m) {
-  for (int i = 0; i < m; i += 8) {
-    const __m256 wt_v[4] = {_mm256_loadu_ps(wt[0] + i), _mm256_loadu_ps(wt[1] + i), _mm256_loadu_ps(wt[2] + i),
-                            _mm256_loadu_ps(wt[3] + i)};
-    __m256 r[8], base[4];  // r[e]: pair e's row sums at s offsets 0-1, r[4 + e] at 2-3
-    pair_row_sums_lanes<0>(pairs, row, idx + i, wt_v, r[0], r[4], base[0]);
-    pair_row_sums_lanes<1>(pairs, row, idx + i, wt_v, r[1], r[5], base[1]);
-    pair_row_sums_lanes<2>(pairs, row, idx + i, wt_v, r[2], r[6], base[2]);
-    pair_row_sums_lanes<3>(pairs, row, idx + i, wt_v, r[3], r[7], base[3]);
-    // Transposed in lanes: r[0] = the 8 elements' q row sums at s offset 0, r[1] their κ ones, r[2], r[3] the same
-    // at s offset 1; r[4..7] at 2 and 3 (store_patch_sums' order). The bases alike, into q and κ.
-    transpose4x4_lanes(r);
-    transpose4x4_lanes(r + 4);
-    const __m256 c0 = _mm256_unpacklo_ps(base[0], base[1]), c1 = _mm256_unpacklo_ps(base[2], base[3]);
-    store_patch_sums(r, _mm256_shuffle_ps(c0, c1, 0x44), _mm256_shuffle_ps(c0, c1, 0xEE), ws, i, q, kap);
+    transpose8x8(r);  // r[k]: coefficient k of q_up's cubic for the 8 elements (a0: its difference), r[4 + k] κ's
+    // a0 of run 1 of the 8 elements, both planes: two rows of run1's transpose
+    const __m256 t0 = _mm256_unpacklo_ps(run1[0], run1[1]), t1 = _mm256_unpacklo_ps(run1[2], run1[3]);
+    const __m256 t2 = _mm256_unpacklo_ps(run1[4], run1[5]), t3 = _mm256_unpacklo_ps(run1[6], run1[7]);
+    const __m256 s0 = _mm256_shuffle_ps(t0, t1, 0x44), s1 = _mm256_shuffle_ps(t2, t3, 0x44);
+    const __m256 q0 = _mm256_permute2f128_ps(s0, s1, 0x20), k0 = _mm256_permute2f128_ps(s0, s1, 0x31);
+    const __m256 u = _mm256_loadu_ps(ut + i);
+    _mm256_storeu_ps(
+        q + i, _mm256_add_ps(q0, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, r[3], r[2]), r[1]), r[0])));
+    _mm256_storeu_ps(
+        kap + i, _mm256_add_ps(k0, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, _mm256_fmadd_ps(u, r[7], r[6]), r[5]), r[4])));
   }
 }
 
