@@ -348,6 +348,11 @@ struct V {
     }
     cubics_from_pair_halves(lo, hi, u, q, kappa);
   }
+
+  BANDPO_SIMD_INLINE static void read_token_cubics(const float* cubics, const std::int32_t* idx, const float* ut,
+                                                   const float* const ws[3], float* q, float* kappa, int m) {
+    token_cubics_avx2(cubics, idx, ut, ws, q, kappa, m);
+  }
 };
 
 }  // namespace avx2

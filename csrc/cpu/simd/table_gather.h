@@ -206,7 +206,8 @@ __attribute__((target("avx2,fma"))) inline void cell_cubics_avx2(const float* __
   cell_cubics_scalar(cells, it, ut, q, kap, i, m);
 }
 
-// The per-token δ read of the fused KL kernels (kl_simd_body.inc), from the t-cubic table (TokenGrid): for each
+// The per-token δ read of the fused KL kernels (kl_simd_body.inc: the AVX2 type's V::read_token_cubics; the AVX-512
+// type's takes the same sums 16 elements at a time), from the t-cubic table (TokenGrid): for each
 // element, the four 8-float runs of its s columns js..js+3 (idx[i] = 8·(it·ncol + js)) combined by its s weights, then
 // the two cubics in its t fraction ut[i], 8 elements at a time (their combined runs transposed, one element per lane).
 // Elements [0, m), m a multiple of 8: every buffer must hold values there (the kernel fills whole vectors).
