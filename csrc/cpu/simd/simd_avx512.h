@@ -196,6 +196,35 @@ struct V {
     }
   }
 
+  // The 128-bit blocks [a0, b0 | a2, b2] and [a1, b1 | a3, b3] of two registers: vperm2f128's 0x20 and 0x31 in each
+  // 256-bit half (AVX-512 has no per-half form), by two-register permutes.
+  BANDPO_SIMD_INLINE static F blocks_even(F a, F b) {
+    return _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27), b);
+  }
+  BANDPO_SIMD_INLINE static F blocks_odd(F a, F b) {
+    return _mm512_permutex2var_ps(a, _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31), b);
+  }
+  // table_gather.h's transpose8x8 in each 256-bit half: on return r[j]'s low half holds element j of every input
+  // row's low half, its high half the same of the high halves.
+  BANDPO_SIMD_INLINE static void transpose8x8_halves(F r[8]) {
+    const F t0 = _mm512_unpacklo_ps(r[0], r[1]), t1 = _mm512_unpackhi_ps(r[0], r[1]);
+    const F t2 = _mm512_unpacklo_ps(r[2], r[3]), t3 = _mm512_unpackhi_ps(r[2], r[3]);
+    const F t4 = _mm512_unpacklo_ps(r[4], r[5]), t5 = _mm512_unpackhi_ps(r[4], r[5]);
+    const F t6 = _mm512_unpacklo_ps(r[6], r[7]), t7 = _mm512_unpackhi_ps(r[6], r[7]);
+    const F s0 = _mm512_shuffle_ps(t0, t2, 0x44), s1 = _mm512_shuffle_ps(t0, t2, 0xEE);
+    const F s2 = _mm512_shuffle_ps(t1, t3, 0x44), s3 = _mm512_shuffle_ps(t1, t3, 0xEE);
+    const F s4 = _mm512_shuffle_ps(t4, t6, 0x44), s5 = _mm512_shuffle_ps(t4, t6, 0xEE);
+    const F s6 = _mm512_shuffle_ps(t5, t7, 0x44), s7 = _mm512_shuffle_ps(t5, t7, 0xEE);
+    r[0] = blocks_even(s0, s4);
+    r[4] = blocks_odd(s0, s4);
+    r[1] = blocks_even(s1, s5);
+    r[5] = blocks_odd(s1, s5);
+    r[2] = blocks_even(s2, s6);
+    r[6] = blocks_odd(s2, s6);
+    r[3] = blocks_even(s3, s7);
+    r[7] = blocks_odd(s3, s7);
+  }
+
   // The per-token δ read from the t-cubic table: table_gather.h's token_cubics_avx2 (its sums, in the same order: the
   // same bits) for 16 elements at a time, element e's runs in a register's low half and element e + 8's in its high
   // half; each element's s weights taken from the 16-lane weight vectors by a permute, its a0 lanes left out of the
@@ -207,15 +236,13 @@ struct V {
   BANDPO_SIMD_INLINE static void read_token_cubics(const float* __restrict cubics, const std::int32_t* __restrict idx,
                                                    const float* __restrict ut, const float* const ws[3],
                                                    float* __restrict q, float* __restrict kap, int m) {
-    const __m512i i20 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-    const __m512i i31 = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
     const auto pair = [](const float* a, const float* b) BANDPO_SIMD_LAMBDA {
       return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
                                                  _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
     };
     for (int i = 0; i < m; i += 16) {
       const F w0 = _mm512_loadu_ps(ws[0] + i), w2 = _mm512_loadu_ps(ws[1] + i), w3 = _mm512_loadu_ps(ws[2] + i);
-      F r[8], t1[4];
+      F r[8], a0_pairs[4];  // run 1's rows unpacked in pairs, toward its a0 lanes' transpose
 #pragma GCC unroll 8
       for (int e = 0; e < 8; ++e) {
         const float* a = cubics + idx[i + e];
@@ -228,27 +255,17 @@ struct V {
         acc = fmadd(_mm512_permutexvar_ps(sel, w3), sub(pair(a + 24, b + 24), run1), acc);
         r[e] = _mm512_mask_add_ps(acc, 0xEEEE, acc, run1);
         if (e & 1)
-          t1[e / 2] = _mm512_unpacklo_ps(t1[e / 2], run1);
+          a0_pairs[e / 2] = _mm512_unpacklo_ps(a0_pairs[e / 2], run1);
         else
-          t1[e / 2] = run1;
+          a0_pairs[e / 2] = run1;
       }
-      const F t0 = _mm512_unpacklo_ps(r[0], r[1]), tt1 = _mm512_unpackhi_ps(r[0], r[1]);
-      const F t2 = _mm512_unpacklo_ps(r[2], r[3]), t3 = _mm512_unpackhi_ps(r[2], r[3]);
-      const F t4 = _mm512_unpacklo_ps(r[4], r[5]), t5 = _mm512_unpackhi_ps(r[4], r[5]);
-      const F t6 = _mm512_unpacklo_ps(r[6], r[7]), t7 = _mm512_unpackhi_ps(r[6], r[7]);
-      const F s0 = _mm512_shuffle_ps(t0, t2, 0x44), s1 = _mm512_shuffle_ps(t0, t2, 0xEE);
-      const F s2 = _mm512_shuffle_ps(tt1, t3, 0x44), s3 = _mm512_shuffle_ps(tt1, t3, 0xEE);
-      const F s4 = _mm512_shuffle_ps(t4, t6, 0x44), s5 = _mm512_shuffle_ps(t4, t6, 0xEE);
-      const F s6 = _mm512_shuffle_ps(t5, t7, 0x44), s7 = _mm512_shuffle_ps(t5, t7, 0xEE);
-      const F c0 = _mm512_permutex2var_ps(s0, i20, s4), c4 = _mm512_permutex2var_ps(s0, i31, s4);
-      const F c1 = _mm512_permutex2var_ps(s1, i20, s5), c5 = _mm512_permutex2var_ps(s1, i31, s5);
-      const F c2 = _mm512_permutex2var_ps(s2, i20, s6), c6 = _mm512_permutex2var_ps(s2, i31, s6);
-      const F c3 = _mm512_permutex2var_ps(s3, i20, s7), c7 = _mm512_permutex2var_ps(s3, i31, s7);
-      const F b0 = _mm512_shuffle_ps(t1[0], t1[1], 0x44), b1 = _mm512_shuffle_ps(t1[2], t1[3], 0x44);
-      const F q0 = _mm512_permutex2var_ps(b0, i20, b1), k0 = _mm512_permutex2var_ps(b0, i31, b1);
+      transpose8x8_halves(r);  // r[k]: coefficient k of q_up's cubic (a0: its difference) for the 16, r[4 + k] κ's
+      const F b0 = _mm512_shuffle_ps(a0_pairs[0], a0_pairs[1], 0x44);
+      const F b1 = _mm512_shuffle_ps(a0_pairs[2], a0_pairs[3], 0x44);
+      const F q0 = blocks_even(b0, b1), k0 = blocks_odd(b0, b1);
       const F u = _mm512_loadu_ps(ut + i);
-      _mm512_storeu_ps(q + i, add(q0, fmadd(u, fmadd(u, fmadd(u, c3, c2), c1), c0)));
-      _mm512_storeu_ps(kap + i, add(k0, fmadd(u, fmadd(u, fmadd(u, c7, c6), c5), c4)));
+      _mm512_storeu_ps(q + i, add(q0, fmadd(u, fmadd(u, fmadd(u, r[3], r[2]), r[1]), r[0])));
+      _mm512_storeu_ps(kap + i, add(k0, fmadd(u, fmadd(u, fmadd(u, r[7], r[6]), r[5]), r[4])));
     }
   }
 };

@@ -7,7 +7,6 @@
 #pragma once
 
 #include <cstdint>
-#include <vector>
 
 #include "bandpo_math.h"
 #include "cpu/simd/cache_lines.h"
