@@ -40,7 +40,7 @@ struct CacheLineAllocator {
     const std::size_t bytes = huge_bytes(n);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     // Fresh pages of a mapping of its own, advised before their first touch: the allocator's aligned blocks may be
-    // heap memory already faulted in on 4 KB pages, which the advice does not convert (one process in three got no
+    // heap memory already faulted in on 4 KB pages, which the advice does not convert (half the processes got no
     // 2 MB page for the t-cubic table that way, on an AMD Zen 4 with the "madvise" mode).
     void* const m = mmap(nullptr, bytes + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED) throw std::bad_alloc();
