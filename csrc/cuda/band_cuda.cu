@@ -182,8 +182,14 @@ void launch_mode(at::TensorIteratorBase& iter, const BandParams& band, const Cel
   constexpr int V = vec_size<scalar_t>();
   const size_t smem = CELLS == kCellsShared || CELLS == kCellsBits ? plan.smem : 0;
   const GridConsts<at::opmath_type<scalar_t>> g = device_grid_consts<at::opmath_type<scalar_t>>(band);
+  // Above 48 KB a kernel launches with its cells only once opted in, and each instantiation (dense or strided, p or
+  // log p) is its own kernel: the one launched is opted in here (the plan checked the bytes against the dense one).
+  const auto opt_in = [&](const void* kernel) {
+    if (smem > 0) TORCH_INTERNAL_ASSERT(shared_cells_bytes(kernel, smem, 0, device) == smem, "band: cells refused");
+  };
   if (dense_and_aligned(iter, V * sizeof(scalar_t))) {
     const auto kernel = band_dense_kernel<scalar_t, CLIP, CELLS, PATH, IN>;
+    opt_in((const void*)kernel);
     const int64_t needed =
         (iter.numel() + static_cast<int64_t>(kThreads) * V - 1) / (static_cast<int64_t>(kThreads) * V);
     const int blocks =
@@ -193,6 +199,7 @@ void launch_mode(at::TensorIteratorBase& iter, const BandParams& band, const Cel
     return;
   }
   const auto kernel = band_strided_kernel<scalar_t, CLIP, CELLS, PATH, IN>;
+  opt_in((const void*)kernel);
   const int resident = resident_blocks((const void*)kernel, kThreads, smem, device);
   for (auto& sub : iter.with_32bit_indexing()) {  // one sub-iterator unless there are 2^31 or more elements
     const int64_t needed = (sub.numel() + kThreads - 1) / kThreads;
@@ -226,16 +233,14 @@ void launch(at::TensorIteratorBase& iter, const BandParams& band, bool per_token
     // the cells in t (scalar δ, shared memory) or the table (per-token δ).
     constexpr bool kBits = std::is_same<acc_t, float>::value;
     constexpr int kFast = kBits ? kCellsBits : kCellsShared;
-    // Shared memory is planned for the dense kernel; the strided one has the same static use (none).
+    // Shared memory is planned for the dense kernel from p; the others have the same static use (none) and are opted
+    // in at their launch (launch_mode).
     const CellsPlan plan =
         plan_cells<acc_t>(band, per_token, /*band_applies=*/true,
                           (const void*)band_dense_kernel<scalar_t, CLIP, kFast, DivPath::kTable, ProbInput::kProb>, 0,
                           device, stream, kBits);
     const bool table = div_path_of(band.divergence) == DivPath::kTable;
     if (plan.mode == kFast) {  // a table-read divergence only
-      (void)shared_cells_bytes(
-          (const void*)band_strided_kernel<scalar_t, CLIP, kFast, DivPath::kTable, ProbInput::kProb>, plan.smem, 0,
-          device);
       BandParams with_grid = band;
       with_grid.bit_grid = plan.grid;
       launch_table<scalar_t, CLIP, kFast>(iter, with_grid, plan, device, stream);

@@ -194,8 +194,16 @@ size_t shared_cells_bytes(const void* kernel, size_t cells_bytes, size_t static_
   int optin = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   if (cells_bytes + static_bytes > static_cast<size_t>(optin)) return 0;
-  C10_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cells_bytes)));
+  // The kernel is allowed the most it can ever take (the opt-in less its own static use), not this call's bytes:
+  // one value from every caller, so a thread planning a smaller table cannot lower the limit under another
+  // thread's launch of a larger one.
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const int most = optin - static_cast<int>(attr.sharedSizeBytes);
+  if (cells_bytes > static_cast<size_t>(most)) return 0;
+  if (attr.maxDynamicSharedSizeBytes < most) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+  }
   return cells_bytes;
 }
 

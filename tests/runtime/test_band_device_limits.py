@@ -60,6 +60,14 @@ def test_dense_tables(device, factor, dtype):
     close(scalar, token)    # the collapsed cells against the full 2-D spline
     if device != "cpu":
         close(scalar, torch.ops.bandpo_lut.bounds(x.cpu(), None, 0.05, table.cpu(), grid, 0, False, math.inf))
+    # From log p, contiguous and strided: on CUDA four more kernels, each opted in to the cells' shared memory at its
+    # launch (the planner checks the bytes against the dense kernel from p only). The reference: p = exp(log p) in
+    # float64, read from p by the double kernels.
+    log_x = torch.log(x)
+    want = torch.ops.bandpo_lut.bounds(log_x.double().exp(), None, 0.05, table, grid, 0, False, math.inf)
+    close(torch.ops.bandpo_lut.bounds(log_x, None, 0.05, table, grid, 0, True, math.inf), want)
+    strided = torch.ops.bandpo_lut.bounds(log_x[::2], None, 0.05, table, grid, 0, True, math.inf)
+    close(strided, (want[0][::2], want[1][::2]))
     lp = torch.log(x).reshape(40, 100)
     out = torch.ops.bandpo_lut.policy_loss_fwd(lp + 0.1 * torch.randn(lp.shape, generator=g, dtype=dtype).to(device),
                                                lp, torch.randn(lp.shape, generator=g, dtype=dtype).to(device), None,
