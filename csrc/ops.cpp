@@ -39,6 +39,9 @@ TORCH_LIBRARY(bandpo_lut, m) {
       "float delta_scalar, Tensor table, float[] grid, int divergence, int clip_kind, float eps_low, "
       "float eps_high, float max_ratio, float dual_clip, int mode, int agg) -> (Tensor loss, Tensor metrics, "
       "Tensor row_scale, Tensor grad_factor)");
+  // The backward of that route: grad_loss · row_scale[b] (in float64, rounded to the factor's type) times each token's
+  // factor, and +0 for an ignored token (mask 0) whatever grad_loss is, as policy_loss_bwd gives it. CPU only.
+  m.def("policy_loss_bwd_factor(Tensor grad_loss, Tensor row_scale, Tensor grad_factor, Tensor? mask) -> Tensor");
   m.def(
       "policy_loss_bwd(Tensor grad_loss, Tensor row_scale, Tensor log_prob, Tensor old_log_prob, "
       "Tensor advantages, Tensor? mask, Tensor? delta, float delta_scalar, Tensor table, float[] grid, "

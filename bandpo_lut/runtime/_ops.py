@@ -103,6 +103,11 @@ def _loss_fwd_grad_fake(log_prob, *args):
     return (*_loss_fwd_fake(log_prob), log_prob.new_empty(log_prob.shape, dtype=factor_dtype))
 
 
+@torch.library.register_fake("bandpo_lut::policy_loss_bwd_factor")
+def _loss_bwd_factor_fake(grad_loss, row_scale, grad_factor, mask):
+    return grad_factor.new_empty(grad_factor.shape)   # contiguous, as the kernel writes it
+
+
 @torch.library.register_fake("bandpo_lut::policy_loss_bwd")
 def _loss_bwd_fake(grad_loss, row_scale, log_prob, *args):
     return log_prob.new_empty(log_prob.shape)   # contiguous, as the kernels write it
@@ -111,7 +116,6 @@ def _loss_bwd_fake(grad_loss, row_scale, log_prob, *args):
 def _loss_setup_context(ctx, inputs, output, factor=None):
     ctx.present = [k for k, i in zip(_LOSS_SAVED, _LOSS_SAVED_AT) if inputs[i] is not None]
     ctx.has_factor = factor is not None   # _EagerLoss on the CPU: the gradient factor, saved before row_scale
-    ctx.grad_dtype = inputs[0].dtype
     ctx.save_for_backward(*(inputs[i] for i in _LOSS_SAVED_AT if inputs[i] is not None),
                           *((factor,) if ctx.has_factor else ()), output[2])
     ctx.params = inputs[_LOSS_PARAMS]
@@ -312,9 +316,8 @@ class _EagerLoss(torch.autograd.Function):
     gradient to take (see `policy_loss_fwd`): without the ~0.1-0.2 ms per call that torch.library's Python
     wrapper spends re-binding the schema. For float32 on the CPU the forward is `policy_loss_fwd_grad`, which also
     keeps each token's gradient factor (one float32 per token, held until the backward): the backward is then
-    grad_loss · row_scale times it, the same arithmetic and bits as `policy_loss_bwd`'s float32 rows, without forming
-    the band a second time. (Other dtypes: their generic rows give an ignored token 0 whatever grad_loss is, which a
-    product with the factor would not, for an infinite grad_loss; they keep the recomputation.)"""
+    grad_loss · row_scale times it (`policy_loss_bwd_factor`: the same arithmetic and bits as `policy_loss_bwd`'s
+    float32 rows, an ignored token's +0 included), without forming the band a second time."""
 
     @staticmethod
     def forward(ctx, *args):
@@ -332,10 +335,9 @@ class _EagerLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_metrics, grad_row_scale):
         if ctx.has_factor and grad_loss is not None and not torch.is_grad_enabled():
-            factor, row_scale = ctx.saved_tensors[-2:]
-            # policy_loss_bwd's arithmetic: g·S_b in float64, rounded to the factor's type, times the factor there
-            scale = (grad_loss.to(torch.float64) * row_scale).to(factor.dtype)
-            grad = (factor * scale.unsqueeze(1)).to(ctx.grad_dtype)
+            *saved, factor, row_scale = ctx.saved_tensors
+            mask = saved[ctx.present.index("mask")] if "mask" in ctx.present else None
+            grad = ops.policy_loss_bwd_factor(grad_loss, row_scale, factor, mask)
             return (grad,) + (None,) * (len(_LOSS_FWD_ARGS) - 1)
         return _loss_backward(ctx, grad_loss, grad_metrics, grad_row_scale)
 

@@ -141,7 +141,9 @@ BANDPO_INLINE void token_block_f32(const LossParams& params, const float* __rest
       count_terms<float>(o, w, place, &sums[0][i], kBlock);  // w == 0 gives 0 in every count
       sums[kNumCounts][i] = keep_if(!skip, o.value);
     }
-    if (GRAD) grad[i] = g * keep_if(!skip, o.grad);  // g = 1: the factor itself, bit for bit
+    // An ignored token's gradient is +0 whatever g is (g · 0 would be -0 for a negative g and NaN for an infinite
+    // or NaN one); g = 1: the factor itself, bit for bit.
+    if (GRAD) grad[i] = keep_if(!skip, g * o.grad);
   }
   if (SUMS && m < kBlock) {
     for (int k = 0; k < kBlockSums; ++k)
@@ -385,6 +387,67 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss_fwd_grad(
   return {loss, metrics, row_scale, factor};
 }
 
+// policy_loss_bwd_factor: the backward from policy_loss_fwd_grad's factor, one pass: token i of row b gets
+// keep_if(w_i != 0, g·S_b · factor_i), g·S_b in float64 rounded to the factor's type as policy_loss_bwd rounds it,
+// so a kept token has policy_loss_bwd's bits and an ignored one its +0 (the product alone would give -0 for a
+// negative g, NaN for an infinite or NaN one).
+template <typename acc_t, typename mask_t>
+void scale_factor_rows(const double* S, double g, const acc_t* factor, const mask_t* mask, int64_t B, int64_t n,
+                       acc_t* out) {
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const acc_t gb = static_cast<acc_t>(g * S[b]);
+      const acc_t* f = factor + b * n;
+      acc_t* o = out + b * n;
+      if (mask == nullptr) {
+        for (int64_t i = 0; i < n; ++i) o[i] = gb * f[i];
+      } else {
+        const mask_t* m = mask + b * n;
+        for (int64_t i = 0; i < n; ++i) o[i] = keep_if(m[i] != mask_t(0), gb * f[i]);
+      }
+    }
+  });
+}
+
+at::Tensor loss_bwd_factor(const at::Tensor& grad_loss, const at::Tensor& row_scale, const at::Tensor& factor,
+                           const c10::optional<at::Tensor>& mask) {
+  constexpr const char* op = "policy_loss_bwd_factor";
+  TORCH_CHECK(factor.dim() == 2 && (factor.scalar_type() == at::kFloat || factor.scalar_type() == at::kDouble), op,
+              ": grad_factor: expected a 2-D float32 or float64 tensor (policy_loss_fwd_grad's), got ", factor.dim(),
+              "-D ", factor.scalar_type());
+  const int64_t B = factor.size(0), n = factor.size(1);
+  TORCH_CHECK(row_scale.dim() == 1 && row_scale.size(0) == B && row_scale.scalar_type() == at::kDouble, op,
+              ": row_scale: expected a float64 tensor of shape (", B, ",), got ", row_scale.scalar_type(), " of shape ",
+              row_scale.sizes());
+  TORCH_CHECK(grad_loss.numel() == 1, op, ": grad_loss: expected one element, got ", grad_loss.numel());
+  const double g = grad_loss.to(at::kDouble).item<double>();  // a CPU tensor: no synchronisation
+  const at::Tensor f = factor.contiguous();
+  const at::Tensor S = row_scale.contiguous();
+  at::Tensor grad = at::empty(f.sizes(), f.options());
+  AT_DISPATCH_FLOATING_TYPES(f.scalar_type(), op, [&] {
+    const scalar_t* fp = f.data_ptr<scalar_t>();
+    scalar_t* out = grad.data_ptr<scalar_t>();
+    if (!mask.has_value()) {
+      scale_factor_rows<scalar_t, scalar_t>(S.data_ptr<double>(), g, fp, nullptr, B, n, out);
+      return;
+    }
+    const at::ScalarType md = mask->scalar_type();
+    TORCH_CHECK(md == at::kBool || md == at::kByte || at::isFloatingType(md), op,
+                ": mask: expected bool, uint8 or floating weights, got ", md);
+    at::Tensor m = mask->expand({B, n});
+    // weights in another floating type: which are 0 is decided in their own type (a cast could round one to 0)
+    if (at::isFloatingType(md) && md != f.scalar_type()) m = m.ne(0);
+    m = m.contiguous();
+    if (m.scalar_type() == f.scalar_type()) {
+      scale_factor_rows<scalar_t, scalar_t>(S.data_ptr<double>(), g, fp, m.data_ptr<scalar_t>(), B, n, out);
+    } else {
+      const uint8_t* bytes = static_cast<const uint8_t*>(m.data_ptr());  // bool is one byte, 0 or 1
+      scale_factor_rows<scalar_t, uint8_t>(S.data_ptr<double>(), g, fp, bytes, B, n, out);
+    }
+  });
+  return grad;
+}
+
 // The CPU backend of loss_fwd_entry / loss_bwd_entry (loss_host.h).
 struct CpuLoss {
   struct NoGuard {};
@@ -406,4 +469,5 @@ TORCH_LIBRARY_IMPL(bandpo_lut, CPU, m) {
   m.impl("policy_loss_fwd", &bandpo::loss_fwd_entry<bandpo::CpuLoss>);
   m.impl("policy_loss_bwd", &bandpo::loss_bwd_entry<bandpo::CpuLoss>);
   m.impl("policy_loss_fwd_grad", &bandpo::loss_fwd_grad);
+  m.impl("policy_loss_bwd_factor", &bandpo::loss_bwd_factor);
 }

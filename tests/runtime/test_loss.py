@@ -304,3 +304,51 @@ def test_opcheck_forward_with_gradient_factor():
     args = (lp, olp, adv, mask.view(torch.uint8), None, 0.05, prep.coefficients, prep.grid, 0, 0,
             0.0, 0.0, 10.0, 3.0, 0, 2)
     torch.library.opcheck(torch.ops.bandpo_lut.policy_loss_fwd_grad, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_an_ignored_tokens_gradient_is_plus_zero_whatever_grad_loss(device, dtype):
+    # The reference's rule (its torch.where passes an ignored token no gradient): +0, not grad_loss · 0, which would be
+    # -0 for a negative grad_loss and NaN for an infinite or NaN one. Every route: the eager autograd (on the CPU in
+    # float32 the saved factor's product), the backward op the traced route calls, and per-token δ's rows.
+    from bandpo_lut.runtime import loss as loss_mod
+    from bandpo_lut.runtime import settings as settings_mod
+    lp, olp, adv, mask = make_batch(device, dtype, B=4, T=100, seed=9)
+    weights = mask.to(dtype) * torch.rand(mask.shape, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    delta = (torch.rand(lp.shape, generator=torch.Generator().manual_seed(6)) * 0.2 + 0.01).to(device)
+    ignored = ~mask
+
+    def plus_zero(g):
+        return bool(((g == 0) & ~torch.signbit(g)).all())
+
+    for m, d in ((mask, 0.05), (weights, 0.05), (mask, delta)):
+        for g in (-1.3, float("inf"), float("-inf"), float("nan")):
+            grad_loss = torch.tensor(g, dtype=dtype, device=device)
+            a = lp.clone().requires_grad_()
+            bandpo_lut.policy_loss(a, olp, adv, m, delta=d)[0].backward(grad_loss)
+            r = lp.clone().requires_grad_()
+            spec.policy_loss(r, olp, adv, m, delta=d)[0].backward(grad_loss)
+            s = settings_mod.resolve(None, dict(delta=d), "test")
+            lp_, olp_, adv_, m_, d_, op_args = loss_mod.op_inputs(lp, olp, adv, m, s)
+            _, _, row_scale = torch.ops.bandpo_lut.policy_loss_fwd(lp_, olp_, adv_, m_, d_, *op_args, 0)
+            direct = torch.ops.bandpo_lut.policy_loss_bwd(grad_loss, row_scale, lp_, olp_, adv_, m_, d_, *op_args)
+            assert plus_zero(r.grad[ignored]), "the reference"
+            assert plus_zero(a.grad[ignored]), (g, a.grad[ignored])
+            assert plus_zero(direct[ignored]), (g, direct[ignored])
+            # the kept tokens: g times each token's factor, the same in both routes (NaN and the zero's sign included)
+            assert torch.equal(a.grad.isnan(), direct.isnan())
+            assert torch.equal(torch.signbit(a.grad), torch.signbit(direct))
+            assert torch.equal(a.grad.nan_to_num(), direct.nan_to_num())
+
+
+def test_the_factor_backward_op_names_a_bad_argument():
+    factor, row_scale, g = torch.zeros(2, 3), torch.ones(2, dtype=torch.float64), torch.tensor(1.0)
+    op = torch.ops.bandpo_lut.policy_loss_bwd_factor
+    for args, name in (((g, row_scale.float(), factor, None), "row_scale"),
+                       ((g, torch.ones(3, dtype=torch.float64), factor, None), "row_scale"),
+                       ((g, row_scale, factor.half(), None), "grad_factor"),
+                       ((g, row_scale, factor[0], None), "grad_factor"),
+                       ((torch.ones(2), row_scale, factor, None), "grad_loss"),
+                       ((g, row_scale, factor, torch.ones(2, 3, dtype=torch.int32)), "mask")):
+        with pytest.raises(RuntimeError, match=f"policy_loss_bwd_factor: {name}: expected"):
+            op(*args)

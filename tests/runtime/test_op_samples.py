@@ -1,6 +1,7 @@
-"""Every compiled op (bounds, clip, clip_backward, policy_loss_fwd, policy_loss_bwd, policy_loss_fwd_grad) on its
-sample inputs (tests/support/op_samples.py), on every device: the op's output against an independent reference, and
-torch.library.opcheck (schema, fake kernel, autograd registration, AOT dispatch) on the same arguments.
+"""Every compiled op (bounds, clip, clip_backward, policy_loss_fwd, policy_loss_bwd, policy_loss_fwd_grad,
+policy_loss_bwd_factor) on its sample inputs (tests/support/op_samples.py), on every device: the op's output against
+an independent reference, and torch.library.opcheck (schema, fake kernel, autograd registration, AOT dispatch) on the
+same arguments.
 This is the quick loop's check of a wrong bound, a wrong gradient and a broken registration."""
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from bandpo_lut.runtime.loss_spec import METRICS
 ops = torch.ops.bandpo_lut
 DTYPES = {"float32": (torch.float32, 1e-5), "float64": (torch.float64, 1e-10)}
 BAND_OPS = ("bounds", "clip", "clip_backward")
-LOSS_OPS = ("policy_loss_fwd", "policy_loss_bwd", "policy_loss_fwd_grad")
+LOSS_OPS = ("policy_loss_fwd", "policy_loss_bwd", "policy_loss_fwd_grad", "policy_loss_bwd_factor")
 # declared in Python: per_token (bandpo_lut/runtime/_ops.py) and fused_linear_chunks (the fused-linear loss's chunk
 # loop, bandpo_lut/runtime/fused_linear.py, registered when that module is imported: imported here, so the set is whole)
 PY_OPS = ("per_token", "fused_linear_chunks")
@@ -95,6 +96,9 @@ def test_loss_ops_match_the_reference(device, dtype_name, sample_id):
         assert factor.dtype == (torch.float64 if dtype_name == "float64" else torch.float32)
         scaled = (factor.double() * 0.7 * row_scale.unsqueeze(1)).to(grad.dtype)
         torch.testing.assert_close(scaled, grad, rtol=rtol, atol=rtol * 1e-3)
+        by_factor = ops.policy_loss_bwd_factor(*sample.calls["policy_loss_bwd_factor"][0])   # its backward
+        assert by_factor.dtype == factor.dtype
+        torch.testing.assert_close(by_factor.to(grad.dtype), grad, rtol=rtol, atol=rtol * 1e-3)
 
 
 def _opcheck(op_name, args, kwargs):
@@ -122,8 +126,8 @@ def test_opcheck_band_ops(device, dtype_name, op_name):
 @pytest.mark.parametrize("dtype_name", OPCHECK_DTYPES)
 @pytest.mark.parametrize("op_name", LOSS_OPS)
 def test_opcheck_loss_ops(device, dtype_name, op_name):
-    if op_name == "policy_loss_fwd_grad" and device != "cpu":
-        pytest.skip("policy_loss_fwd_grad is a CPU op (the GPU's backward recomputes)")
+    if op_name in ("policy_loss_fwd_grad", "policy_loss_bwd_factor") and device != "cpu":
+        pytest.skip(f"{op_name} is a CPU op (the GPU's backward recomputes)")
     for sample in _loss(device, dtype_name).values():
         _opcheck(op_name, *sample.calls[op_name])
 

@@ -149,7 +149,8 @@ def _record_the_other_loss_route(sample: Sample, grad_loss: torch.Tensor):
     elif grad_loss.device.type == "cpu":
         args, _ = sample.calls["policy_loss_fwd"]
         with _RecordOps(sample):
-            torch.ops.bandpo_lut.policy_loss_fwd_grad(*args)
+            _, _, row_scale, factor = torch.ops.bandpo_lut.policy_loss_fwd_grad(*args)
+            torch.ops.bandpo_lut.policy_loss_bwd_factor(grad_loss, row_scale, factor, args[3])   # args[3]: the mask
 
 
 def reference_loss(settings: dict):
