@@ -159,6 +159,39 @@ def test_cuda_side_stream_and_graph_capture():
     assert all(torch.equal(metrics[k], e_metrics[k]) for k in metrics)
 
 
+@pytest.mark.cuda
+@cuda_only
+def test_cuda_graph_capture_of_the_band_ops_in_a_fresh_process(fresh):
+    """`clip` and `bounds` captured in a CUDA graph in a fresh process, after one warm-up call at another δ: the
+    float32 KL band's cells in p's bits for the captured δ and its per-token patches are fitted inside the capture,
+    into the capture's own memory; replayed on new inputs, the graph gives the eager call's bits, from p and log p."""
+    code = """
+import torch, bandpo_lut
+g = torch.Generator().manual_seed(12)
+n = 50_000
+p = torch.rand(n, generator=g).cuda()
+r = (torch.rand(n, generator=g) * 2).cuda()
+d = (torch.rand(n, generator=g) * 0.2 + 0.01).cuda()
+bandpo_lut.clip(r, p, 0.05)   # the table onto the device (an upload is not captured); no cells of these δ yet
+torch.cuda.synchronize()
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    outs = (bandpo_lut.clip(r, p, 0.0437), bandpo_lut.clip(r, p, d), *bandpo_lut.bounds(p, 0.0437),
+            bandpo_lut.clip(r, log_p_old=torch.log(p), delta=0.0437), *bandpo_lut.bounds(p, d))
+p.copy_(torch.rand(n, generator=g).cuda())
+r.copy_(torch.rand(n, generator=g).cuda() * 2)
+d.copy_(torch.rand(n, generator=g).cuda() * 0.2 + 0.01)
+graph.replay()
+torch.cuda.synchronize()
+want = (bandpo_lut.clip(r, p, 0.0437), bandpo_lut.clip(r, p, d), *bandpo_lut.bounds(p, 0.0437),
+        bandpo_lut.clip(r, log_p_old=torch.log(p), delta=0.0437), *bandpo_lut.bounds(p, d))
+print([bool(torch.equal(a, b)) for a, b in zip(outs, want)])
+print(bool(torch.allclose(want[0].cpu(), bandpo_lut.clip(r.cpu(), p.cpu(), 0.0437), rtol=2e-6, atol=0)))
+"""
+    out = fresh(["-c", code], check=True).stdout.splitlines()
+    assert out == [str([True] * 7), "True"], out
+
+
 def test_repeat_runs_are_bit_identical(device):
     """Reductions in a fixed order: the loss, its metrics and its gradient are the same bits run after run."""
     g = torch.Generator().manual_seed(9)

@@ -195,12 +195,13 @@ def test_per_token_delta_is_validated_like_bounds_and_clip():
 
 
 @pytest.mark.parametrize("B,T", [pytest.param(65536, 3, marks=pytest.mark.slow), (3, 5000), (2, 1), (1, 0), (0, 7)])
-def test_edge_sizes_match_the_reference(B, T):
+def test_edge_sizes_match_the_reference(device, B, T):
+    # (on a GPU: empty batches, rows of one token, rows of many tiles, many rows of one tile each)
     g = torch.Generator().manual_seed(11)
-    olp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 5
-    lp = olp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
-    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
-    mask = torch.rand(B, T, generator=g) > 0.3
+    olp = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 5).to(device)
+    lp = olp + (torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3).to(device)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64).to(device)
+    mask = (torch.rand(B, T, generator=g) > 0.3).to(device)
     for agg in spec.AGGS:
         a, b = lp.clone().requires_grad_(), lp.clone().requires_grad_()
         fused, ref = bandpo_lut.policy_loss(a, olp, adv, mask, agg=agg), spec.policy_loss(b, olp, adv, mask, agg=agg)
@@ -229,8 +230,8 @@ def test_results_do_not_depend_on_the_thread_count():
         assert all(torch.equal(metrics[k], results[0][1][k]) for k in metrics)
 
 
-def test_uint8_and_integer_masks_are_weights():
-    lp, olp, adv, mask = make_batch("cpu", torch.float64, B=4, T=64, seed=13)
+def test_uint8_and_integer_masks_are_weights(device):
+    lp, olp, adv, mask = make_batch(device, torch.float64, B=4, T=64, seed=13)
     weights = mask.to(torch.uint8) * 2
     for m in (weights, weights.to(torch.int32)):
         fused, ref = bandpo_lut.policy_loss(lp, olp, adv, m), spec.policy_loss(lp, olp, adv, m)
