@@ -93,28 +93,15 @@ def test_cell_edges_half_and_grid_end_against_mpmath(tmp_path, truth, variant):
 @pytest.mark.parametrize("delta", [1e-3, 0.05, 1.0])
 def test_the_shipped_table_fits_cells_in_p_bits(delta):
     """The kernel reads cells in p's bits only where their fit is within 1e-7 (bit_cells.h; else it keeps cells in t,
-    silently slower): the shipped table must fit, here refitted in numpy as the header describes (16 cells per
-    binade of x, cubics through 4 Chebyshev nodes; from x_lo's cell to x = 1/2 the reference reader's spline, that
-    cell on its part above x_lo; below it, on the side p -> 0, the upper bound's tail form), checked at 9 points per
-    cell."""
-    import torch
-
-    from bandpo_lut.tables import store
-    from bandpo_lut.tables.reader import _spline_eval
+    silently slower; the GPU's cells would be NaN): the shipped table must fit, here refitted in numpy as the header
+    describes (16 cells per binade of x, cubics through 4 Chebyshev nodes, checked at 9 points per cell): from x_lo's
+    cell to x = 1/2 the reference reader's spline (bandpo_lut.tables.gpu_cells, which `verify` runs), and below it, on
+    the side p -> 0, the upper bound's tail form (the CPU's tail cells)."""
+    from bandpo_lut.tables import gpu_cells, store
 
     table = store.get("kl")
-    coef = table.coefficients("cpu", torch.float64)
-    t_max = table.t.max
-    x_lo = float(np.float32(1.0 / (1.0 + math.exp(t_max))))
-    if x_lo < 1.0 / (1.0 + math.exp(t_max)):
-        x_lo = float(np.nextafter(np.float32(x_lo), np.float32(1)))
+    x_lo = gpu_cells.x_lo_of(table.t.max)
     e_first = math.frexp(x_lo)[1] - 1
-    cells = np.arange((-1 - e_first) * 16 + 1)
-    x0 = np.ldexp(1.0 + (cells % 16) / 16.0, e_first + cells // 16)
-    w = np.ldexp(1.0 / 16.0, e_first + cells // 16)
-    f_lo = np.clip((x_lo - x0) / w, 0.0, None)
-    used = f_lo < 1.0
-    x0, w, f_lo = x0[used], w[used], f_lo[used]
     # below x_lo's cell, p -> 0: kl_tail_upper (bandpo_math.h) in float64
     tcells = np.arange((e_first + 126) * 16 + (math.frexp(x_lo)[0] * 32 - 16).__floor__())
     tx0 = np.ldexp(1.0 + (tcells % 16) / 16.0, -126 + tcells // 16)
@@ -131,22 +118,7 @@ def test_the_shipped_table_fits_cells_in_p_bits(delta):
     tchecks = np.arange(9) / 8.0
     tfit = (tchecks[:, None] ** np.arange(4) * tc[:, None, :]).sum(-1)
     tail_worst = float(np.max(np.abs(tfit / tail_q(tx0[:, None] + tw[:, None] * tchecks) - 1)))
-    nodes = f_lo[:, None] + (1 - f_lo[:, None]) * (0.5 - 0.5 * np.cos((2 * np.arange(4) + 1) * np.pi / 8))
-    checks = f_lo[:, None] + (1 - f_lo[:, None]) * np.arange(9) / 8.0
-    worst = 0.0
-    for side in (0, 1):
-        def spline(f):
-            x = x0[:, None] + w[:, None] * f
-            t = np.clip((1 - 2 * side) * (np.log(x) - np.log1p(-x)), table.t.min, t_max)
-            tt = torch.from_numpy(t.ravel())
-            s = torch.full_like(tt, math.log(delta))
-            return [_spline_eval(coef[k], table.t, table.s, tt, s).numpy().reshape(t.shape) for k in (0, 1)]
-        at_nodes, at_checks = spline(nodes), spline(checks)
-        vander = nodes[:, :, None] ** np.arange(4)
-        for k in (0, 1):
-            c = np.linalg.solve(vander, at_nodes[k][:, :, None])[:, :, 0]
-            fit = (checks[:, :, None] ** np.arange(4) * c[:, None, :]).sum(-1)
-            worst = max(worst, float(np.max(np.abs(fit / at_checks[k] - 1))))
+    worst = gpu_cells.cells_fit_error(table, delta)
     assert worst <= 1e-7 and tail_worst <= 1e-7, (worst, tail_worst)
 
 

@@ -144,3 +144,48 @@ def test_float32_worst_rounds_the_truth_and_counts_nan():
     # a lower bound off by more than the subnormal floor is measured, relative to r*(1 + |ln r*|)
     _, el = worst32([0.5, 0.0, 0.26], [1.0, 3.0, float("inf")], ref_lo, ref_up)
     assert math.isclose(el, 0.01 / (0.25 * (1 + math.log(4))), rel_tol=1e-6)
+
+
+def test_gpu_cells_fit_catches_a_spline_the_cubics_cannot_follow(monkeypatch):
+    """gpu_cells refits the GPU's cells in p's bits from the table's spline: the shipped table fits within 1e-7 at
+    every δ verify checks; the same table with one row of the upper bound's spline coefficients raised by 1e-3 (a
+    B-spline bump: its third derivative jumps at the knots, which one cubic over a cell spanning a knot cannot follow)
+    misses, and `verify` says so and fails the file (its accuracy and monotonicity checks stubbed out here)."""
+    import io
+
+    from bandpo_lut.tables import gpu_cells
+    from bandpo_lut.tables import verify as verify_mod
+
+    table = tables.get("kl")
+    assert gpu_cells.uses_bit_cells(table)
+    deltas = gpu_cells.check_deltas(table)
+    assert 0.05 in deltas and deltas[0] == table.delta_min and len(deltas) == 6
+    assert max(gpu_cells.cells_fit_error(table, d) for d in deltas) <= gpu_cells.TOLERANCE
+
+    bumped = table.coefficients("cpu", torch.float64).clone()
+    j = int(np.argmin(np.abs(table.t.min + np.arange(table.t.n) * table.t.step - (-6.0)))) + 1   # near p = 2.5e-3
+    bumped[0, j, :] *= 1 + 1e-3
+
+    class Bumped:   # the table, but for its coefficients
+        def __init__(self, base):
+            self.base = base
+
+        def __getattr__(self, name):
+            return getattr(self.base, name)
+
+        def coefficients(self, device, dtype=None):
+            return bumped.to(device=device, dtype=dtype or torch.float32)
+
+    bad = Bumped(table)
+    assert gpu_cells.cells_fit_error(bad, 0.05) > gpu_cells.TOLERANCE
+    monkeypatch.setattr(verify_mod.tables, "load", lambda path: bad)
+    monkeypatch.setattr(verify_mod, "measure", lambda *a: (0.0, 0.0, 0, 0, np.zeros(1), np.zeros(1)))
+    monkeypatch.setattr(verify_mod, "monotonicity_violations", lambda *a: (0, 0, 0, 0))
+    out = io.StringIO()
+    assert not verify_mod.verify_file("bumped.bplut", 10, 0, 10, 10, out=out)
+    text = out.getvalue()
+    assert text.startswith("FAILED bumped.bplut") and "MISSES (a GPU would give NaN bounds there)" in text, text
+    monkeypatch.setattr(verify_mod.tables, "load", lambda path: table)
+    out = io.StringIO()
+    assert verify_mod.verify_file("shipped.bplut", 10, 0, 10, 10, out=out)
+    assert "at 6 deltas" in out.getvalue() and ", fits;" in out.getvalue(), out.getvalue()
