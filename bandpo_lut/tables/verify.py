@@ -4,9 +4,9 @@ For each file: evaluates the table with `bandpo_lut.reference.bounds` (float64) 
 points (p over its whole float range, δ over the table's range) against the 40-digit mpmath roots, prints
 the worst errors and where they occur, and checks on a dense grid (default 4000 values of p × 200 of δ)
 that the upper bound never increases with p nor decreases with δ, and the lower bound the opposite,
-beyond one unit in the last place. A KL table is also refitted as the GPU reads it for float inputs (cubics in p's
-float bits, `bandpo_lut.tables.gpu_cells`) at a few δ: a fit beyond 1e-7 would give NaN bounds there, and fails the
-file. Every file is reported, a bad one as FAILED with the reason (it does
+beyond one unit in the last place. A KL table is also refitted as the GPU reads it for float inputs
+(`bandpo_lut.tables.gpu_cells`: cubics in p's float bits at six δ, and the per-token patches): a fit beyond 1e-7
+would give NaN bounds there, and fails the file. Every file is reported, a bad one as FAILED with the reason (it does
 not stop the others); exits 1 if any file fails to load, exceeds its tolerance or is not monotone.
 `--tolerance` overrides the header's tolerance, 0 included (exact agreement in float64).
 """
@@ -80,7 +80,9 @@ def verify_file(path, points, seed, n_p, n_delta, tolerance=None, out=None) -> b
     gpu = [(gpu_cells.cells_fit_error(table, dl), dl) for dl in gpu_cells.check_deltas(table)] \
         if gpu_cells.uses_bit_cells(table) else []
     gpu_worst = max(gpu, default=(0.0, None))
-    ok = eu <= tol and el <= tol and not any(mono) and gpu_worst[0] <= gpu_cells.TOLERANCE
+    patches = gpu_cells.patches_fit_error(table) if gpu_cells.uses_bit_patches(table) else None
+    gpu_ok = gpu_worst[0] <= gpu_cells.TOLERANCE and (patches is None or patches <= gpu_cells.TOLERANCE)
+    ok = eu <= tol and el <= tol and not any(mono) and gpu_ok
     h = table.header
     print(f"{'ok    ' if ok else 'FAILED'} {path}: divergence {name}, delta in [{table.delta_min:g}, "
           f"{table.delta_max:g}{']' if table.delta_max_inclusive else ')'}, grid {table.t.n}x{table.s.n}, "
@@ -89,10 +91,15 @@ def verify_file(path, points, seed, n_p, n_delta, tolerance=None, out=None) -> b
           f"lower max err {el:.2e} (p={p[il]:.6g}, delta={d[il]:.4g}); tolerance {tol:g}", file=out)
     print(f"     monotone on {n_p}x{n_delta}: violations beyond 1 ulp: upper-in-p {mono[0]}, lower-in-p {mono[1]}, "
           f"upper-in-delta {mono[2]}, lower-in-delta {mono[3]}", file=out)
+    def verdict(e):
+        return "fits" if e <= gpu_cells.TOLERANCE else "MISSES (a GPU would give NaN bounds there)"
     if gpu:
-        verdict = "fits" if gpu_worst[0] <= gpu_cells.TOLERANCE else "MISSES (a GPU would give NaN bounds there)"
         print(f"     GPU cells in p's bits (float inputs, scalar delta) at {len(gpu)} deltas: worst fit "
-              f"{gpu_worst[0]:.2e} (delta={gpu_worst[1]:.4g}), {verdict}; bound {gpu_cells.TOLERANCE:g}", file=out)
+              f"{gpu_worst[0]:.2e} (delta={gpu_worst[1]:.4g}), {verdict(gpu_worst[0])}; bound {gpu_cells.TOLERANCE:g}",
+              file=out)
+    if patches is not None:
+        print(f"     GPU patches in the bits of p and delta (float inputs, per-token delta): worst fit {patches:.2e}, "
+              f"{verdict(patches)}; bound {gpu_cells.TOLERANCE:g}", file=out)
     return ok
 
 

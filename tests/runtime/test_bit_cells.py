@@ -147,6 +147,22 @@ def gpu_code(tmp_path_factory, truth):
     return table, code, np.concatenate([p, SPECIALS]), np.concatenate([logp, LOG_SPECIALS])
 
 
+def test_verify_refits_as_the_device_code_fits(gpu_code):
+    """`bandpo-lut verify`'s numpy refit of the GPU's cells and patches (bandpo_lut.tables.gpu_cells) gives the fit
+    errors the device code itself reports (fit_bit_cell per δ, fit_bit_patch over the table), compiled for the host."""
+    from bandpo_lut.tables import gpu_cells
+
+    table, code, xs, logxs = gpu_code
+    deltas = gpu_cells.check_deltas(table)
+    _, fits, _ = code.scalar(xs[:4], logxs[:4], deltas)
+    assert [d for d, _ in fits] == pytest.approx(deltas, rel=1e-6)
+    for (d, device_error) in fits:
+        assert gpu_cells.cells_fit_error(table, d) == pytest.approx(device_error, rel=1e-2), d
+    _, (device_error, d_cells), _ = code.token(xs[:4], logxs[:4], np.full(4, 0.05, dtype=np.float32))
+    assert gpu_cells.uses_bit_patches(table) and d_cells == 161
+    assert gpu_cells.patches_fit_error(table) == pytest.approx(device_error, rel=1e-2)
+
+
 def check_specials(rows, n_edge, delta):
     """The special inputs' bounds as the CPU op gives them (its NaN, zero, rounding and saturation rules), the cap
     aside."""

@@ -150,7 +150,8 @@ def test_gpu_cells_fit_catches_a_spline_the_cubics_cannot_follow(monkeypatch):
     """gpu_cells refits the GPU's cells in p's bits from the table's spline: the shipped table fits within 1e-7 at
     every δ verify checks; the same table with one row of the upper bound's spline coefficients raised by 1e-3 (a
     B-spline bump: its third derivative jumps at the knots, which one cubic over a cell spanning a knot cannot follow)
-    misses, and `verify` says so and fails the file (its accuracy and monotonicity checks stubbed out here)."""
+    misses, in the scalar-δ cells and in the per-token patches, and `verify` says so and fails the file (its accuracy
+    and monotonicity checks stubbed out here)."""
     import io
 
     from bandpo_lut.tables import gpu_cells
@@ -178,14 +179,15 @@ def test_gpu_cells_fit_catches_a_spline_the_cubics_cannot_follow(monkeypatch):
 
     bad = Bumped(table)
     assert gpu_cells.cells_fit_error(bad, 0.05) > gpu_cells.TOLERANCE
+    assert gpu_cells.uses_bit_patches(bad) and gpu_cells.patches_fit_error(bad) > gpu_cells.TOLERANCE
     monkeypatch.setattr(verify_mod.tables, "load", lambda path: bad)
     monkeypatch.setattr(verify_mod, "measure", lambda *a: (0.0, 0.0, 0, 0, np.zeros(1), np.zeros(1)))
     monkeypatch.setattr(verify_mod, "monotonicity_violations", lambda *a: (0, 0, 0, 0))
     out = io.StringIO()
     assert not verify_mod.verify_file("bumped.bplut", 10, 0, 10, 10, out=out)
     text = out.getvalue()
-    assert text.startswith("FAILED bumped.bplut") and "MISSES (a GPU would give NaN bounds there)" in text, text
+    assert text.startswith("FAILED bumped.bplut") and text.count("MISSES (a GPU would give NaN bounds there)") == 2
     monkeypatch.setattr(verify_mod.tables, "load", lambda path: table)
     out = io.StringIO()
     assert verify_mod.verify_file("shipped.bplut", 10, 0, 10, 10, out=out)
-    assert "at 6 deltas" in out.getvalue() and ", fits;" in out.getvalue(), out.getvalue()
+    assert "at 6 deltas" in out.getvalue() and out.getvalue().count(", fits;") == 2, out.getvalue()
