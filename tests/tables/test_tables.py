@@ -179,7 +179,7 @@ def test_gpu_cells_fit_catches_a_spline_the_cubics_cannot_follow(monkeypatch):
 
     bad = Bumped(table)
     assert gpu_cells.cells_fit_error(bad, 0.05) > gpu_cells.TOLERANCE
-    assert gpu_cells.uses_bit_patches(bad) and gpu_cells.patches_fit_error(bad) > gpu_cells.TOLERANCE
+    assert gpu_cells.uses_bit_patches(bad)   # (its patches' fit: verify's second line below)
     monkeypatch.setattr(verify_mod.tables, "load", lambda path: bad)
     monkeypatch.setattr(verify_mod, "measure", lambda *a: (0.0, 0.0, 0, 0, np.zeros(1), np.zeros(1)))
     monkeypatch.setattr(verify_mod, "monotonicity_violations", lambda *a: (0, 0, 0, 0))
