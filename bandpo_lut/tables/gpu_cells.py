@@ -20,6 +20,7 @@ TOLERANCE = 1e-7          # csrc/kl_bit_cells.h kBitCellsTolerance
 CELLS_PER_BINADE = 16     # BitGrid::kBits = 4
 PATCH_BYTES = 32 * 4      # kPatchValues floats
 MAX_PATCH_BYTES = 256.0 * 1024 * 1024   # kMaxPatchBytes
+CHEBYSHEV = 0.5 - 0.5 * np.cos((2 * np.arange(4) + 1) * np.pi / 8)   # chebyshev_node4: every fit's nodes in [0, 1]
 
 
 def x_lo_of(t_max: float) -> float | None:
@@ -50,47 +51,6 @@ def uses_bit_patches(table) -> bool:
     return 2.0 * side_cells * (_key(d_hi) - _key(d_lo) + 1) * PATCH_BYTES <= MAX_PATCH_BYTES
 
 
-def cells_fit_error(table, delta: float) -> float:
-    """The worst relative error of the cells' cubics against the table's spline at their 9 check points, both sides,
-    at `delta` (float64). Cell c of side s covers x in [x0, x0 + w) (x0 = (1 + (c mod 16)/16)·2^e); x_lo's own cell
-    is fitted on its part above x_lo."""
-    import torch
-
-    from bandpo_lut.tables.reader import _spline_eval
-
-    coef = table.coefficients("cpu", torch.float64)
-    t_min, t_max = table.t.min, table.t.max
-    x_lo = x_lo_of(t_max)
-    e_first = math.frexp(x_lo)[1] - 1
-    cells = np.arange((-1 - e_first) * CELLS_PER_BINADE + 1)
-    x0 = np.ldexp(1.0 + (cells % CELLS_PER_BINADE) / CELLS_PER_BINADE, e_first + cells // CELLS_PER_BINADE)
-    w = np.ldexp(1.0 / CELLS_PER_BINADE, e_first + cells // CELLS_PER_BINADE)
-    f_lo = np.clip((x_lo - x0) / w, 0.0, None)
-    used = f_lo < 1.0
-    x0, w, f_lo = x0[used], w[used], f_lo[used]
-    chebyshev = 0.5 - 0.5 * np.cos((2 * np.arange(4) + 1) * np.pi / 8)
-    nodes = f_lo[:, None] + (1 - f_lo[:, None]) * chebyshev
-    checks = f_lo[:, None] + (1 - f_lo[:, None]) * np.arange(9) / 8.0
-    worst = 0.0
-    for side in (0, 1):
-        def spline(f, side=side):
-            x = x0[:, None] + w[:, None] * f
-            t = np.clip((1 - 2 * side) * (np.log(x) - np.log1p(-x)), t_min, t_max)
-            tt = torch.from_numpy(t.ravel())
-            s = torch.full_like(tt, math.log(delta))
-            return [_spline_eval(coef[k], table.t, table.s, tt, s).numpy().reshape(t.shape) for k in (0, 1)]
-
-        at_nodes, at_checks = spline(nodes), spline(checks)
-        vander = nodes[:, :, None] ** np.arange(4)
-        for k in (0, 1):
-            c = np.linalg.solve(vander, at_nodes[k][:, :, None])[:, :, 0]
-            fit = (checks[:, :, None] ** np.arange(4) * c[:, None, :]).sum(-1)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                err = np.abs(fit / at_checks[k] - 1)
-            worst = max(worst, float(np.max(np.where(np.isnan(err), np.inf, err))))
-    return worst
-
-
 def _lagrange(nodes: np.ndarray, at: np.ndarray) -> np.ndarray:
     """L[a, i]: the Lagrange basis of `nodes` (i) at the points `at` (a): interpolation through the nodes is L @ y."""
     out = np.ones((len(at), len(nodes)))
@@ -112,46 +72,79 @@ def _key(x: float) -> int:
     return int(np.array([x], dtype=np.float32).view(np.int32)[0] >> 19)
 
 
-def patches_fit_error(table) -> float:
-    """The per-token δ's patches (fit_bit_patch): for each cell of x (both sides, from x_lo's cell to x = 1/2's) and
-    each cell of δ in its float bits (from δ_min's cell to δ_max's, each over its part of the range), the bicubics
-    through 4 × 4 Chebyshev nodes of the table's spline in (t, log δ); returns their worst relative error at 7 × 7
-    check points, both bounds (inf for a NaN value). One array per table, whatever the δ."""
+def _x_cells(table):
+    """The cells of x (each side), from x_lo's to x = 1/2's: their start x0, width w and the fraction f_lo where their
+    fitted part begins (x_lo inside x_lo's cell, else 0): bit_cell_place."""
+    x_lo = x_lo_of(table.t.max)
+    x0, w = _key_span(np.arange(_key(x_lo), _key(0.5) + 1))
+    return x0, w, np.maximum(0.0, (x_lo - x0) / w)
+
+
+def _t_of(table, side: int, x: np.ndarray) -> np.ndarray:
+    """t = logit of the side's p (x on side 0, 1 - x on side 1), clamped to the grid: bit_cell_t."""
+    return np.clip((1 - 2 * side) * (np.log(x) - np.log1p(-x)), table.t.min, table.t.max)
+
+
+def _worst(fit: np.ndarray, truth: np.ndarray) -> float:
+    """The largest |fit / truth - 1|; inf where it is NaN (a damaged table)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        err = np.abs(fit / truth - 1)
+    return float(np.max(np.where(np.isnan(err), np.inf, err)))
+
+
+def cells_fit_error(table, delta: float) -> float:
+    """The scalar-δ cells (fit_bit_cell): for each cell of x, both sides, the cubics through 4 Chebyshev nodes of the
+    table's spline at `delta`; returns their worst relative error at 9 check points, both bounds (float64)."""
     import torch
 
     from bandpo_lut.tables.reader import _spline_eval
 
     coef = table.coefficients("cpu", torch.float64)
-    t_min, t_max = table.t.min, table.t.max
-    s_min, s_max = table.s.min, table.s.max
-    x_lo = x_lo_of(t_max)
-    x0, w = _key_span(np.arange(_key(x_lo), _key(0.5) + 1))
-    f_lo = np.maximum(0.0, (x_lo - x0) / w)
+    x0, w, f_lo = _x_cells(table)
+    unit = np.concatenate([CHEBYSHEV, np.arange(9) / 8.0])   # the nodes, then the checks, in [0, 1]
+    lagrange = _lagrange(CHEBYSHEV, np.arange(9) / 8.0)
+    f = f_lo[:, None] + (1 - f_lo[:, None]) * unit
+    worst = 0.0
+    for side in (0, 1):
+        tt = torch.from_numpy(_t_of(table, side, x0[:, None] + w[:, None] * f).ravel())
+        s = torch.full_like(tt, math.log(delta))
+        for plane in (0, 1):
+            v = _spline_eval(coef[plane], table.t, table.s, tt, s).numpy().reshape(f.shape)
+            worst = max(worst, _worst(v[:, :4] @ lagrange.T, v[:, 4:]))
+    return worst
+
+
+def patches_fit_error(table) -> float:
+    """The per-token δ's patches (fit_bit_patch): for each cell of x (both sides) and each cell of δ in its float bits
+    (from δ_min's cell to δ_max's, each over its part of the range), the bicubics through 4 × 4 Chebyshev nodes of the
+    table's spline in (t, log δ); returns their worst relative error at 7 × 7 check points, both bounds (inf for a NaN
+    value). One array per table, whatever the δ."""
+    import torch
+
+    from bandpo_lut.tables.reader import _spline_eval
+
+    coef = table.coefficients("cpu", torch.float64)
+    x0, w, f_lo = _x_cells(table)
     d_lo, d_hi = float(np.float32(table.delta_min)), float(np.float32(table.delta_max))
     d0, dw = _key_span(np.arange(_key(d_lo), _key(d_hi) + 1))
     g_lo = np.maximum(0.0, (d_lo - d0) / dw)
     g_hi = np.minimum(1.0, (d_hi - d0) / dw)
     g_hi = np.where(g_hi - g_lo < 1.0 / 1024, 1.0, g_hi)   # δ_max at its cell's start: the spline is flat past it
-    chebyshev = 0.5 - 0.5 * np.cos((2 * np.arange(4) + 1) * np.pi / 8)
-    unit = np.concatenate([chebyshev, np.arange(7) / 6.0])   # the nodes, then the checks, in [0, 1]
-    lagrange = _lagrange(chebyshev, np.arange(7) / 6.0)      # (7 checks, 4 nodes), the same for every cell
+    unit = np.concatenate([CHEBYSHEV, np.arange(7) / 6.0])   # the nodes, then the checks, in [0, 1]
+    lagrange = _lagrange(CHEBYSHEV, np.arange(7) / 6.0)      # (7 checks, 4 nodes), the same for every cell
     f = f_lo[:, None] + (1 - f_lo[:, None]) * unit            # (cells of x, 11)
     worst = 0.0
     for side in (0, 1):
-        x = x0[:, None] + w[:, None] * f
-        t = np.clip((1 - 2 * side) * (np.log(x) - np.log1p(-x)), t_min, t_max)
+        t = _t_of(table, side, x0[:, None] + w[:, None] * f)
+        tt = torch.from_numpy(np.repeat(t[:, :, None], len(unit), 2).ravel())
         for k in range(len(d0)):
             gd = g_lo[k] + (g_hi[k] - g_lo[k]) * unit                           # (11,)
-            s = np.clip(np.log(d0[k] + dw[k] * gd), s_min, s_max)
-            tt = torch.from_numpy(np.repeat(t[:, :, None], len(unit), 2).ravel())
+            s = np.clip(np.log(d0[k] + dw[k] * gd), table.s.min, table.s.max)
             ss = torch.from_numpy(np.broadcast_to(s, t.shape + (len(unit),)).ravel().copy())
             for plane in (0, 1):
                 v = _spline_eval(coef[plane], table.t, table.s, tt, ss).numpy().reshape(t.shape + (len(unit),))
-                nodes, checks = v[:, :4, :4], v[:, 4:, 4:]                     # [cell, f, g]
-                fit = np.einsum("ai,cij,bj->cab", lagrange, nodes, lagrange)
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    err = np.abs(fit / checks - 1)
-                worst = max(worst, float(np.max(np.where(np.isnan(err), np.inf, err))))
+                fit = np.einsum("ai,cij,bj->cab", lagrange, v[:, :4, :4], lagrange)   # [cell, f, g]
+                worst = max(worst, _worst(fit, v[:, 4:, 4:]))
     return worst
 
 
