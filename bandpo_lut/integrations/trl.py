@@ -42,7 +42,8 @@ What changes, and what does not:
   (``band_delta`` outside the shipped table's range, a ``band_divergence`` without a compiled kernel,
   ``band_max_ratio < 1``), TRL's ``delta <= 1`` (``delta`` is the dual-clip cap; the radius is
   ``band_delta``), ``epsilon``/``epsilon_high`` with the band (they would be ignored), and, whatever
-  ``band_clip``: ``use_liger_kernel=True`` (TRL's Liger path bypasses the hooked loss), loss types
+  ``band_clip``: ``use_liger_kernel=True`` where TRL's Liger path bypasses the hooked loss (a TRL with
+  ``GRPOTrainer.compute_liger_loss``; not the tested ones, whose Liger path keeps the hooked loss), loss types
   without TRL's per-token two-sided clip ("cispo", "sapo", "vespo") and
   ``importance_sampling_level="sequence"`` (no per-token clip for the band or its metrics).
   A ``BandGRPOConfig`` given to any trainer but `BandGRPOTrainer` is refused when that trainer is built.
@@ -198,16 +199,20 @@ class BandGRPOConfig(GRPOConfig):
 
 
 def _refuse_liger(a) -> None:
-    """TRL's Liger path computes the loss outside `_compute_loss`, the method the band hooks (TRL
-    1.14: `compute_liger_loss`, Liger's fused-linear GRPO loss with its scalar epsilon), so the run
-    would train TRL's fixed clip and log no band metrics. Checked before GRPOConfig's own checks, so
-    that this message, not one about Liger's installation, is what the user reads."""
-    if getattr(a, "use_liger_kernel", False):
-        raise ValueError("use_liger_kernel=True: TRL then computes the GRPO loss in Liger's fused-linear "
-                         "kernel with its scalar epsilon clip, not in the loss the band replaces, so "
-                         "the band would be silently ignored. Set use_liger_kernel=False; for a loss "
-                         "that never materialises the logits, use band_fused_linear=True "
-                         "(BandGRPOTrainer's own fused-linear band loss)")
+    """A TRL whose GRPOTrainer computes the loss with Liger in `compute_liger_loss` (Liger's fused-linear GRPO
+    loss, its scalar epsilon) never calls `_compute_loss`, the method the band hooks: the run would train
+    TRL's fixed clip and log no band metrics, so use_liger_kernel=True is refused there. The tested TRLs
+    (1.14.2, 1.16.0) have no such route: with Liger they compute the log-probs with Liger's kernels and
+    still take the loss through `_compute_loss`, so the band applies and nothing is refused. Checked before
+    GRPOConfig's own checks, so that this message, not one about Liger's installation, is what the user
+    reads."""
+    if getattr(a, "use_liger_kernel", False) and hasattr(GRPOTrainer, "compute_liger_loss"):
+        raise ValueError(f"use_liger_kernel=True: this TRL ({getattr(trl, '__version__', 'unknown')}) computes "
+                         "the GRPO loss in Liger's fused-linear kernel (GRPOTrainer.compute_liger_loss) with "
+                         "its scalar epsilon clip, not in the loss the band replaces, so the band would be "
+                         "silently ignored. Set use_liger_kernel=False; for a loss that never materialises "
+                         "the logits, use band_fused_linear=True (BandGRPOTrainer's own fused-linear band "
+                         "loss)")
 
 
 def _refuse_unclipped_loss(a) -> None:

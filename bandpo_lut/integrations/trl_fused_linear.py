@@ -13,13 +13,17 @@ loss, or a gradient the fused loss does not form): top_entropy_quantile < 1, ent
 entropy, off_policy_mask_threshold, vLLM importance-sampling correction, beta > 0 with
 use_bias_correction_kl, and a schedule in which TRL does not compute old log-probs (it then uses the current
 ones: ratio 1, no clip). Refused at the first loss call: models whose logits are scaled or soft-capped, MoE
-auxiliary losses.
+auxiliary losses, and a batch with multimodal inputs (`MULTIMODAL_INPUTS`: the fused loss's forward is text-only).
 """
 from __future__ import annotations
 
 import torch
 
 FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# What TRL 1.16's _compute_loss passes to the policy forward besides the token ids and the attention mask (the
+# inputs of vision-language models): the fused loss's forward takes the text only, so a batch with any is refused.
+MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                     "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
 def validate(a, ratio_clip_is_inert) -> None:
@@ -102,6 +106,11 @@ def fused_linear_loss(trainer, model, inputs, settings):
     weights below."""
     from bandpo_lut.runtime.fused_linear import fused_linear_policy_loss
 
+    multimodal = [k for k in MULTIMODAL_INPUTS if inputs.get(k) is not None]
+    if multimodal:
+        raise ValueError(f"band_fused_linear=True: this batch has multimodal inputs ({', '.join(multimodal)}), "
+                         f"which the fused loss's text-only forward would drop (the new log-probs would be "
+                         f"computed without the images, the old ones with them); set band_fused_linear=False")
     old = inputs.get("old_per_token_logps")
     if old is None:
         raise RuntimeError("band_fused_linear=True: TRL passed no old log-probs (an on-policy schedule, refused "

@@ -692,13 +692,28 @@ def test_trl_with_a_different_structure_is_refused(monkeypatch, name, replacemen
 # paths on which a setting was once silently not what trains
 
 
-def test_liger_kernel_is_refused_when_the_config_is_built(tmp_path):
-    """TRL's Liger path computes the loss outside the hook: refused by the config, naming the field,
-    before GRPOConfig's own checks (which need Liger installed), with the logits-free alternative."""
+def test_liger_kernel_is_refused_where_trls_liger_path_bypasses_the_hooked_loss(tmp_path, monkeypatch):
+    """A TRL whose GRPOTrainer has `compute_liger_loss` (Liger's own GRPO loss, outside `_compute_loss`)
+    would train its fixed clip: use_liger_kernel=True is refused there by the config, naming the field, with
+    the logits-free alternative, whatever band_clip."""
+    monkeypatch.setattr(GRPOTrainer, "compute_liger_loss", lambda self, *a, **k: None, raising=False)
     for clip in ("band", "fixed"):
         with pytest.raises(ValueError, match="use_liger_kernel=True") as info:
             BandGRPOConfig(**common_args(tmp_path, use_liger_kernel=True, band_clip=clip))
-        assert "band_fused_linear=True" in str(info.value)
+        assert "compute_liger_loss" in str(info.value) and "band_fused_linear=True" in str(info.value)
+
+
+def test_liger_kernel_is_accepted_where_the_loss_stays_in_the_hooked_method(tmp_path):
+    """The installed TRL (a tested one) computes only the log-probs with Liger: its compute_loss has no
+    Liger loss and returns `_compute_loss`, the method BandGRPOTrainer overrides, so use_liger_kernel=True
+    builds (Liger itself is needed only when the trainer is built)."""
+    import inspect
+
+    assert not hasattr(GRPOTrainer, "compute_liger_loss")
+    source = inspect.getsource(GRPOTrainer.compute_loss)
+    assert "self._compute_loss" in source and "liger_loss" not in source.lower()
+    args = BandGRPOConfig(**common_args(tmp_path, use_liger_kernel=True, num_iterations=2))
+    assert args.use_liger_kernel is True and args.band_delta == 0.05
 
 
 def test_band_config_in_a_plain_grpo_trainer_is_refused(tmp_path):

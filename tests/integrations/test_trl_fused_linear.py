@@ -72,3 +72,33 @@ def test_unsupported_settings_are_refused_when_the_config_is_built(tmp_path, ove
     kw.update(overrides)
     with pytest.raises(ValueError, match=match):
         BandGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kw)
+
+
+def test_a_batch_with_multimodal_inputs_is_refused(tmp_path):
+    """The fused path runs the backbone on the text alone: a batch with images (a vision-language model's)
+    would train on new log-probs computed without them against old ones computed with them. Refused at the
+    loss call, naming the inputs; and the refused names cover every input TRL's own _compute_loss passes to
+    its policy forward besides the text, so a TRL that adds one is caught here."""
+    import ast
+    import inspect
+    import textwrap
+
+    from trl import GRPOTrainer
+
+    from bandpo_lut.integrations.trl_fused_linear import MULTIMODAL_INPUTS
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(GRPOTrainer._compute_loss)))
+    forward = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
+                   and getattr(n.func, "attr", "") == "_get_per_token_logps_and_entropies")
+    passed = {kw.value.args[0].value for kw in forward.keywords
+              if isinstance(kw.value, ast.Call) and getattr(kw.value.func, "attr", "") == "get"}
+    assert passed and passed <= set(MULTIMODAL_INPUTS), passed - set(MULTIMODAL_INPUTS)
+
+    _, fused = unfused_and_fused(tmp_path, loss_type="grpo")
+    inputs = make_inputs(fused, fused.model, seed=3)
+    inputs["pixel_values"] = torch.zeros(2, 3)
+    inputs["image_grid_thw"] = torch.ones(1, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"multimodal inputs \(pixel_values, image_grid_thw\)"):
+        fused.compute_loss(fused.model, inputs)
+    del inputs["pixel_values"], inputs["image_grid_thw"]
+    assert torch.isfinite(fused.compute_loss(fused.model, inputs))   # the text-only batch trains
