@@ -33,8 +33,9 @@ derivative raises NotImplementedError, as policy_loss's), torch.compile (fullgra
 NotImplementedError: torch.func transforms and forward-mode AD.
 
 Out-of-range token ids (< 0 or >= vocab) are not checked on the host (that would synchronise a GPU every
-step): the token's log-prob is NaN, so a counted token gives a NaN loss and NaN gradients (NaN in, NaN out),
-and a masked one (w == 0, e.g. a -100 label on padding) is ignored like any other masked token's inputs.
+step): the token's log-prob is NaN, so a counted token gives a NaN loss (NaN in, NaN out) and the gradient of
+`policy_loss` at a NaN log-prob, zero; a masked one (w == 0, e.g. a -100 label on padding) is ignored like any
+other masked token's inputs.
 """
 from __future__ import annotations
 

@@ -78,6 +78,10 @@ def metrics_from_counts(counts: dict) -> dict:
     vectorised ops whatever the number of metrics.
 
     Returns a new dict with the counts themselves and the fractions (0-dim tensors)."""
+    missing = [name for name in COUNTS if name not in counts]
+    if missing:
+        raise KeyError(f"metrics_from_counts: counts lacks {', '.join(missing)} (it needs every name of "
+                       f"bandpo_lut.COUNTS, as the metrics of policy_loss hold them)")
     out = {name: counts[name] for name in COUNTS}
     num = torch.stack([torch.as_tensor(counts[n]) for n, _ in FRACTIONS.values()])
     den = torch.stack([torch.as_tensor(counts[d]) for _, d in FRACTIONS.values()])
@@ -92,6 +96,8 @@ def metrics_from_counts(counts: dict) -> dict:
 def _check_tensor(name: str, x, like: torch.Tensor | None) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"policy_loss: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(f"policy_loss: {name} must be a dense (strided) tensor, got layout {x.layout}")
     if name != "mask" and not x.dtype.is_floating_point:
         raise TypeError(f"policy_loss: {name} must have a floating dtype, got {x.dtype}")
     if like is None:
@@ -117,7 +123,10 @@ def _check_delta_tensor(delta: torch.Tensor, log_prob: torch.Tensor) -> None:
         raise ValueError(f"policy_loss: delta is on {delta.device} but log_prob is on {log_prob.device}; give it "
                          "on log_prob's device, or a 0-dim CPU tensor")
     shape = tuple(log_prob.shape)
-    ok = delta.dim() <= len(shape) and all(d in (1, s) for d, s in zip(reversed(tuple(delta.shape)), reversed(shape)))
+    # d == 1 or d == s, not `d in (1, s)`: under torch.compile(dynamic=True) a size of log_prob is symbolic, and
+    # Dynamo takes `int in (1, SymInt)` as False even where the two are equal
+    pairs = zip(reversed(tuple(delta.shape)), reversed(shape))
+    ok = delta.dim() <= len(shape) and all(d == 1 or d == s for d, s in pairs)
     if not ok:
         raise ValueError(f"policy_loss: delta has shape {tuple(delta.shape)}, which does not broadcast to "
                          f"log_prob's shape {shape}; give a number or a tensor broadcastable to (batch, T)")
@@ -136,8 +145,8 @@ def baseline_eps(clip: str, eps_low, eps_high) -> tuple[float, float]:
     low_ok = (0 <= eps_low <= 1) if clip == "fixed" else (0 < eps_low < math.inf)
     high_ok = (0 <= eps_high < math.inf) if clip == "fixed" else (0 < eps_high < math.inf)
     if not (_is_number(eps_low) and low_ok):
-        rng = "[0, 1]" if clip == "fixed" else "> 0"
-        raise ValueError(f"policy_loss: eps_low must be a number in {rng} for clip={clip!r}, "
+        rng = "in [0, 1]" if clip == "fixed" else "> 0"
+        raise ValueError(f"policy_loss: eps_low must be a number {rng} for clip={clip!r}, "
                          f"got {eps_low!r}")
     if not (_is_number(eps_high) and high_ok):
         rng = ">= 0" if clip == "fixed" else "> 0"

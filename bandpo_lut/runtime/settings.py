@@ -166,7 +166,7 @@ def _check_eps(s: LossSettings, name) -> None:
     eps_high = default_high if s.eps_high is None else s.eps_high
     fixed = s.clip == "fixed"
     if not (_checks.is_number(eps_low) and ((0 <= eps_low <= 1) if fixed else (0 < eps_low < math.inf))):
-        raise ValueError(f"{name('eps_low')} must be a number in {'[0, 1]' if fixed else '> 0'} for "
+        raise ValueError(f"{name('eps_low')} must be a number {'in [0, 1]' if fixed else '> 0'} for "
                          f"clip={s.clip!r}, got {eps_low!r}")
     if not (_checks.is_number(eps_high) and ((0 <= eps_high < math.inf) if fixed else (0 < eps_high < math.inf))):
         raise ValueError(f"{name('eps_high')} must be a finite number {'>= 0' if fixed else '> 0'} for "

@@ -36,6 +36,8 @@ def check_tensor(name: str, x) -> None:
     """The one check of a floating tensor argument, shared by every entry point."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}")
     if x.dtype not in FLOATS:
         raise TypeError(f"{name}: expected a floating tensor (float32, float64, float16 or bfloat16), got {x.dtype}")
 

@@ -121,3 +121,26 @@ def test_band_policy_loss_refuses_bad_settings_at_construction():
     with pytest.raises(ValueError, match="delta=2.0 is outside"):
         bandpo_lut.BandPolicyLoss(delta=2.0)
     bandpo_lut.BandPolicyLoss(clip="fixed", divergence="kl")   # the baselines ignore the band
+
+
+def test_a_sparse_tensor_is_refused_naming_the_argument():
+    """A sparse layout would reach torch's dispatcher, whose error lists backends and names no argument."""
+    dense = torch.rand(2, 3)
+    sparse = dense.to_sparse()
+    for call, name in ((lambda: bandpo_lut.bounds(sparse, 0.05), "p_old"),
+                       (lambda: bandpo_lut.bounds(log_p_old=sparse, delta=0.05), "log_p_old"),
+                       (lambda: bandpo_lut.clip(sparse, dense, 0.05), "ratio"),
+                       (lambda: bandpo_lut.clip(dense, dense, sparse), "delta"),
+                       (lambda: bandpo_lut.policy_loss(dense, -dense, dense, (dense > 0.5).to_sparse()), "mask"),
+                       (lambda: bandpo_lut.policy_loss(dense, -sparse, dense), "old_log_prob")):
+        with pytest.raises(TypeError, match=rf"{name}.*dense \(strided\).*sparse_coo"):
+            call()
+
+
+def test_metrics_from_counts_names_the_missing_counts():
+    _, metrics = bandpo_lut.policy_loss(torch.randn(2, 3), -torch.rand(2, 3), torch.randn(2, 3))
+    counts = {k: metrics[k] for k in bandpo_lut.COUNTS}
+    assert bandpo_lut.metrics_from_counts(counts)["clip_frac"] == metrics["clip_frac"]
+    del counts["n_tokens"]
+    with pytest.raises(KeyError, match="counts lacks n_tokens"):
+        bandpo_lut.metrics_from_counts(counts)

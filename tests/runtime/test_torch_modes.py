@@ -146,7 +146,8 @@ def test_band_policy_loss_per_token_delta_is_module_state(device):
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-@pytest.mark.parametrize("scenario", ["delta_schedule", "inference_mode_first", "jit_trace_first"])
+@pytest.mark.parametrize("scenario", ["delta_schedule", "fixed_shape_delta_dynamic", "inference_mode_first",
+                                      "jit_trace_first"])
 def test_first_use_scenario(scenario, tmp_path):
     proc = run_fresh([SCENARIOS, scenario], cwd=tmp_path, check=True)
     assert f"ok {scenario}" in proc.stdout

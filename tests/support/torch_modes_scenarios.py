@@ -85,6 +85,40 @@ def scenario_delta_schedule():
         assert graphs == 1, f"{backend}: {graphs} graphs compiled for {len(schedule)} values of delta (want 1)"
 
 
+def scenario_fixed_shape_delta_dynamic():
+    """A δ tensor of fixed shape (a module buffer per sequence, a constant per position) against log-probs whose
+    sizes torch.compile(dynamic=True, fullgraph=True) makes symbolic: accepted as in eager (the broadcast check
+    compares each size with == : `int in (1, SymInt)` is False under Dynamo even where the sizes are equal), for
+    BandPolicyLoss, policy_loss and fused_linear_policy_loss, against the reference with the δ broadcast."""
+    from bandpo_lut.reference.policy_loss import policy_loss as reference
+
+    rows, hidden_size, vocab = 2, 8, 11
+    per_row = torch.tensor([[0.03], [0.08]])
+    module = bandpo_lut.BandPolicyLoss(delta=per_row.clone())
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(vocab, hidden_size, generator=g, dtype=torch.float64)
+
+    @torch.compile(backend="aot_eager", dynamic=True, fullgraph=True)
+    def step(lp, olp, adv, per_position, hidden, ids, fused_olp):
+        fused = bandpo_lut.fused_linear_policy_loss(hidden, weight, ids, fused_olp, adv, delta=per_row)[0]
+        return module(lp, olp, adv)[0], bandpo_lut.policy_loss(lp, olp, adv, delta=per_position)[0], fused
+
+    for cols in (5, 9, 13):   # three sizes of T: symbolic after the first recompile, as in training
+        lp, olp, adv = batch(rows=rows, cols=cols, seed=cols, dtype=torch.float64)
+        per_position = torch.linspace(0.01, 0.2, cols, dtype=torch.float64)[None]
+        hidden = torch.randn(rows, cols, hidden_size, generator=g, dtype=torch.float64)
+        ids = torch.randint(0, vocab, (rows, cols), generator=g)
+        fused_lp = torch.log_softmax(hidden @ weight.T, -1).gather(-1, ids[..., None])[..., 0]
+        fused_olp = (fused_lp + 0.3 * torch.randn(rows, cols, generator=g, dtype=torch.float64)).clamp(max=0.0)
+        got = step(lp, olp, adv, per_position, hidden, ids, fused_olp)
+        want = (reference(lp, olp, adv, delta=per_row.double().expand(rows, cols))[0],
+                reference(lp, olp, adv, delta=per_position.expand(rows, cols))[0],
+                reference(fused_lp, fused_olp, adv, delta=per_row.double().expand(rows, cols))[0])
+        for what, ours, ref in zip(("BandPolicyLoss, (B, 1) buffer", "policy_loss, (1, T) delta",
+                                    "fused_linear_policy_loss, (B, 1) delta"), got, want):
+            close(ours, ref, f"{what} at T={cols}", 1e-9)
+
+
 def scenario_inference_mode_first():
     """The process's first calls are an evaluation pass in inference mode; training afterwards (eager and
     compiled, forward and backward) must work and be right."""
