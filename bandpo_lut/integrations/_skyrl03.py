@@ -27,7 +27,11 @@ How it fits SkyRL (tested: `TESTED_SKYRL`):
   sequences, empty ones counting 0; seq_mean_token_sum_norm divides by ``max_seq_len``).
 - **TIS** (``use_tis``): each token's loss times SkyRL's truncated importance weight
   ``min(exp(clamp(old - rollout, ±20)), tis_imp_ratio_cap)``, folded into the advantage (exact for a
-  weight >= 0, as in the verl plug-in).
+  weight >= 0, as in the verl plug-in). SkyRL's ``validate_cfg`` allows ``use_tis`` only with its own
+  "regular" and "dual_clip" losses; with this module imported it also allows it with ``bandpo`` (its other
+  TIS checks unchanged).
+- **SkyRL's own clip settings** (``eps_clip_low/high`` with the band, ``clip_ratio_c`` always) are not used
+  by ``bandpo``: a value other than SkyRL's default is named in a warning, once, with what takes its place.
 - **band_clip="fixed"** runs SkyRL's own ``ppo_policy_loss`` ("dual_clip" with
   ``clip_ratio_c = band_dual_clip``, "regular" without a dual clip), so the loss is SkyRL's, bit for
   bit, with ``eps_clip_low/high``.
@@ -49,7 +53,14 @@ import torch
 import bandpo_lut
 
 from ._common import check_framework, config_get
-from ._skyrl_keys import LOSS_NAME, band_loss_settings, band_of, unknown_band_keys, unread_band_keys
+from ._skyrl_keys import (
+    LOSS_NAME,
+    band_loss_settings,
+    band_of,
+    unknown_band_keys,
+    unread_band_keys,
+    warn_unused_skyrl_clips,
+)
 
 try:
     from skyrl_train.utils import ppo_utils
@@ -108,6 +119,7 @@ def check_config(algorithm_config) -> dict:
     """The band options of SkyRL's ``trainer.algorithm`` section (defaults: the paper's), refused
     with a message naming the key if bandpo_lut cannot train them. Returns them (band_* -> value)."""
     band = band_of(algorithm_config)
+    warn_unused_skyrl_clips(algorithm_config, band)
     reduction = config_get(algorithm_config, "loss_reduction", "token_mean")
     keys = tuple(sorted(k for k in _keys(algorithm_config) if isinstance(k, str) and k.startswith("band_")))
     key = (reduction, keys, *sorted((k, repr(v)) for k, v in band.items()))
@@ -170,7 +182,8 @@ def compute_policy_loss_bandpo(
 
 def _install_startup_check() -> None:
     """SkyRL's driver validates its config (``skyrl_train.utils.validate_cfg``) before Ray starts; with
-    policy_loss_type=bandpo, make that also refuse an impossible band setting, naming the key; with any
+    policy_loss_type=bandpo, make that accept ``use_tis`` (which SkyRL allows only with the stock losses that
+    implement it; this one does) and refuse an impossible band setting, naming the key; with any
     loss, a misspelt band_* key, and band_* keys that no loss reads (policy_loss_type is not bandpo). Takes
     effect for an entrypoint that imports this module before it imports ``validate_cfg`` (as the
     documented one does). A config without band_* keys and another loss validates as before."""
@@ -183,7 +196,19 @@ def _install_startup_check() -> None:
 
     @functools.wraps(original)
     def validate_cfg(cfg):
-        original(cfg)
+        # SkyRL asserts that use_tis comes with "regular" or "dual_clip", the stock losses that implement TIS; the
+        # bandpo loss implements it too, so SkyRL's other TIS checks (the cap, the rollout log-probs, the backend)
+        # run as they do for "regular", and the config keeps "bandpo"
+        before = cfg.trainer.algorithm
+        tis = config_get(before, "policy_loss_type") == LOSS_NAME and config_get(before, "use_tis", False)
+        if tis:
+            before.policy_loss_type = "regular"
+        try:
+            original(cfg)
+        finally:
+            if tis:   # SkyRL's validate_cfg puts a copy of the section in its place: both get "bandpo" back
+                before.policy_loss_type = LOSS_NAME
+                cfg.trainer.algorithm.policy_loss_type = LOSS_NAME
         algorithm = cfg.trainer.algorithm
         band = [k for k in _keys(algorithm) if isinstance(k, str) and k.startswith("band_")]
         unknown_band_keys(band)

@@ -39,6 +39,11 @@ How it fits SkyRL 0.4 (tested: `TESTED_SKYRL`; read from its source, ``skyrl.bac
   masks (outlier/token/sequence) multiply the loss mask, its truncated IS ratio (token or sequence,
   detached, >= 0) multiplies each token's loss -- folded into the advantage, exact for a weight >= 0 by
   the same homogeneity. Its metrics join ours.
+- **Fully-async training** (``trainer.fully_async.enabled=true``) is refused with ``bandpo`` when the config is
+  built: SkyRL's fully-async trainer refuses its own losses that read old log-probs (it keeps no stale policy,
+  so they would be recomputed by the current weights), but checks a fixed list of its own names.
+- **SkyRL's own clip settings** (``eps_clip_low/high`` with the band, ``clip_ratio_c`` always) are not used
+  by ``bandpo``: a value other than SkyRL's default is named in a warning, once, with what takes its place.
 - **band_clip="fixed"** runs SkyRL's own ``ppo_policy_loss`` ("dual_clip" with ``clip_ratio_c =
   band_dual_clip``, "regular" without), bit for bit, with ``eps_clip_low/high``.
 - **metrics**: ``{"clip_ratio": float(clip_frac)}`` (SkyRL's losses report Python floats, one host
@@ -60,7 +65,16 @@ import torch
 import bandpo_lut
 
 from ._common import PAPER, check_framework, config_get
-from ._skyrl_keys import DEFAULTS, LOSS_NAME, SECTION, band_loss_settings, band_of, unknown_band_keys, unread_band_keys
+from ._skyrl_keys import (
+    DEFAULTS,
+    LOSS_NAME,
+    SECTION,
+    band_loss_settings,
+    band_of,
+    unknown_band_keys,
+    unread_band_keys,
+    warn_unused_skyrl_clips,
+)
 
 TESTED_SKYRL = ("0.4.0",)
 
@@ -145,14 +159,35 @@ class BandPOAlgorithmConfig(AlgorithmConfig):
         parent = getattr(super(), "__post_init__", None)
         if parent is not None:
             parent()
-        band_loss_settings(band_of(self), "token-sum")   # refused here, naming trainer.algorithm.<key>
+        band = band_of(self)
+        band_loss_settings(band, "token-sum")   # refused here, naming trainer.algorithm.<key>
         # a dataclass always has every field: "set" is "differs from the default" here
         unread_band_keys(self.policy_loss_type, [k for k, d in DEFAULTS.items() if getattr(self, k) != d])
+        if self.policy_loss_type == LOSS_NAME:
+            warn_unused_skyrl_clips(self, band)
+
+
+def refuse_fully_async(policy_loss_type, fully_async_enabled) -> None:
+    """SkyRL's fully-async trainer refuses its own losses that read old log-probs (its list of them is fixed, so
+    it lets ``bandpo`` through): it keeps no stale policy, so the old log-probs would be recomputed by the
+    current weights and the band centred on them, not on the policy that generated the rollouts."""
+    if policy_loss_type == LOSS_NAME and fully_async_enabled is True:
+        raise ValueError(f"trainer.fully_async.enabled=true with {SECTION}.policy_loss_type={LOSS_NAME}: the "
+                         f"fully-async trainer keeps no stale policy, so BandPO's old log-probs (the band's "
+                         f"centre) would be recomputed by the current weights instead of the rollout policy's "
+                         f"(SkyRL refuses its own PPO losses there for the same reason). Train BandPO with "
+                         f"the synchronous trainer (trainer.fully_async.enabled=false)")
 
 
 @dataclass
 class BandPOTrainerConfig(TrainerConfig):
     algorithm: BandPOAlgorithmConfig = field(default_factory=BandPOAlgorithmConfig)
+
+    def __post_init__(self):
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+        refuse_fully_async(self.algorithm.policy_loss_type, getattr(self.fully_async, "enabled", False))
 
 
 @dataclass
@@ -172,6 +207,11 @@ def _install_key_checks() -> None:
 
     @functools.wraps(original)
     def validate_dict_keys_against_dataclass(datacls, d):
+        if isinstance(datacls, type) and issubclass(datacls, TrainerConfig) and isinstance(d, dict):
+            # SkyRL's own TrainerConfig too (a stock config may name the registered loss)
+            algorithm, fully_async = d.get("algorithm"), d.get("fully_async")
+            if isinstance(algorithm, dict) and isinstance(fully_async, dict):
+                refuse_fully_async(algorithm.get("policy_loss_type"), fully_async.get("enabled"))
         if isinstance(datacls, type) and issubclass(datacls, AlgorithmConfig) and isinstance(d, dict):
             band = [k for k in d if isinstance(k, str) and k.startswith("band_")]
             if issubclass(datacls, BandPOAlgorithmConfig):
@@ -193,6 +233,7 @@ def check_config(algorithm_config) -> dict:
     Returns them (band_* -> value); their LossSettings is built once, here or when the config was built."""
     band = band_of(algorithm_config)
     band_loss_settings(band, "token-sum")
+    warn_unused_skyrl_clips(algorithm_config, band)
     return band
 
 

@@ -46,6 +46,10 @@ CHECKS = {
     "misspelt_band_key_refused": "+trainer.algorithm.band_dleta is refused (validate_cfg, check_config, the loss), "
                                  "naming it and band_delta",
     "band_keys_without_bandpo_refused": "band_* keys with policy_loss_type regular/dual_clip: refused by validate_cfg",
+    "tis_passes_skyrls_startup_validation": "use_tis with bandpo passes SkyRL's validate_cfg (its other TIS checks "
+                                            "acting), the config keeping bandpo",
+    "unused_skyrl_clips_warned": "SkyRL's eps_clip_low/high (with the band) and clip_ratio_c, set with bandpo, "
+                                 "named in a warning once",
     "paper_defaults": "no band keys: the paper's settings; null turns the cap / dual clip off",
     "version_policy": "tested version silent; untested same-structure warns; changed convention refused",
 }

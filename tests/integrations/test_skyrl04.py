@@ -48,6 +48,10 @@ CHECKS = {
                                         "class, refused",
     "command_line_as_skyrls_entrypoint": "BandPOTrainConfig.from_cli_overrides builds the run's config with "
                                          "the band settings; misspelt / unread / wrong-class band keys refused",
+    "fully_async_refused": "trainer.fully_async.enabled=true with policy_loss_type=bandpo refused when the config "
+                           "is built (SkyRL's own guard checks a fixed list of its losses)",
+    "unused_skyrl_clips_warned": "SkyRL's eps_clip_low/high (with the band) and clip_ratio_c, set with bandpo, "
+                                 "named in a warning once",
     "version_policy": "tested version silent; untested same-structure warns; changed convention refused",
 }
 

@@ -259,6 +259,58 @@ def _():
     return out
 
 
+@check("fully_async_refused")
+def _():
+    """SkyRL's fully-async trainer refuses its own old-log-prob losses by a fixed list of names; bandpo is refused
+    when the config is built: the command line, SkyRL's own config class, and a config built in Python."""
+    from skyrl.backends.skyrl_train.utils.ppo_utils import LOSSES_WITH_OLD_LOGPROBS
+    from skyrl.train.config import SkyRLTrainConfig
+
+    assert "bandpo" not in LOSSES_WITH_OLD_LOGPROBS   # what lets it past SkyRL's own guard
+    out = []
+    args = ["trainer.algorithm.policy_loss_type=bandpo", "trainer.fully_async.enabled=true"]
+    for cls in (bsky.BandPOTrainConfig, SkyRLTrainConfig):
+        try:
+            cls.from_cli_overrides(args)
+        except ValueError as exc:
+            assert "trainer.fully_async.enabled=true" in str(exc) and "policy_loss_type=bandpo" in str(exc), exc
+            out.append(str(exc)[:80])
+        else:
+            raise AssertionError(f"{cls.__name__} accepted {args}")
+    built = bsky.BandPOTrainConfig.from_cli_overrides(args[:1])   # synchronous: fine
+    built.trainer.algorithm.policy_loss_type = "bandpo"
+    try:
+        bsky.BandPOTrainerConfig(algorithm=built.trainer.algorithm,
+                                 fully_async=type(built.trainer.fully_async)(enabled=True))
+    except ValueError as exc:
+        out.append(str(exc)[:40])
+    else:
+        raise AssertionError("BandPOTrainerConfig(fully_async=enabled) accepted")
+    bsky.BandPOTrainConfig.from_cli_overrides(["trainer.fully_async.enabled=true"])   # SkyRL's own loss: its guard
+    return out
+
+
+@check("unused_skyrl_clips_warned")
+def _():
+    """eps_clip_low/high (with the band) and clip_ratio_c (always) given with bandpo are named in one warning each,
+    with what takes their place; defaults and band_clip=fixed's eps are silent."""
+    import warnings
+
+    def warned(*overrides):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer_config("algorithm.policy_loss_type=bandpo", *overrides)
+        return [str(w.message) for w in caught if "is not used" in str(w.message)]
+
+    assert warned() == [], warned()
+    got = warned("algorithm.eps_clip_high=0.28", "algorithm.clip_ratio_c=5.0")
+    assert len(got) == 2 and "eps_clip_high=0.28" in got[0] + got[1] and "band_dual_clip=10.0" in " ".join(got), got
+    assert warned("algorithm.eps_clip_high=0.28") == []   # said once per process
+    fixed = warned("algorithm.band_clip=fixed", "algorithm.eps_clip_low=0.1")
+    assert fixed == [], fixed
+    return got
+
+
 @check("version_policy")
 def _():
     assert metadata.version("skyrl") in bsky.TESTED_SKYRL

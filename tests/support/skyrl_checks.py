@@ -220,6 +220,53 @@ def _():
     return out
 
 
+@check("tis_passes_skyrls_startup_validation")
+def _():
+    """use_tis with bandpo: SkyRL's validate_cfg allows TIS only with its own regular/dual_clip losses; with the
+    plug-in imported it passes for bandpo too, SkyRL's other TIS checks still acting (it turns the rollout
+    log-probs on, refuses a cap <= 0) and the config keeping policy_loss_type=bandpo."""
+    from skyrl_train import utils as skyrl_utils
+
+    tis = ["trainer.algorithm.policy_loss_type=bandpo", "trainer.algorithm.use_tis=true",
+           "trainer.algorithm.tis_imp_ratio_cap=2.0", "generator.backend=vllm"]
+    cfg = _composed(*tis)
+    cfg.generator.sampling_params.logprobs = None
+    skyrl_utils.validate_cfg(cfg)
+    assert cfg.trainer.algorithm.policy_loss_type == "bandpo", cfg.trainer.algorithm.policy_loss_type
+    assert cfg.generator.sampling_params.logprobs == 0, cfg.generator.sampling_params.logprobs
+    out = []
+    for extra, error in ((["trainer.algorithm.tis_imp_ratio_cap=-1.0"], ValueError),):
+        bad = _composed(*tis, *extra)
+        try:
+            skyrl_utils.validate_cfg(bad)
+        except error as exc:
+            assert bad.trainer.algorithm.policy_loss_type == "bandpo"
+            out.append(str(exc)[:60])
+        else:
+            raise AssertionError(f"{extra} was accepted")
+    return out
+
+
+@check("unused_skyrl_clips_warned")
+def _():
+    """eps_clip_low/high (with the band) and clip_ratio_c (always) given with bandpo: one warning each, naming the
+    key and what takes its place; SkyRL's defaults are silent."""
+    import warnings
+
+    def warned(**overrides):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            bsky.check_config(algorithm_config(policy_loss_type="bandpo", **overrides))
+        return [str(w.message) for w in caught if "is not used" in str(w.message)]
+
+    assert warned() == []
+    got = warned(eps_clip_high=0.28, clip_ratio_c=5.0)
+    assert len(got) == 2 and any("eps_clip_high=0.28" in m for m in got), got
+    assert any("clip_ratio_c=5.0" in m and "band_dual_clip=10.0" in m for m in got), got
+    assert warned(band_clip="fixed", eps_clip_low=0.1) == []   # the fixed route uses SkyRL's eps
+    return got
+
+
 @check("paper_defaults")
 def _():
     s = bsky.check_config(algorithm_config(policy_loss_type="bandpo"))
