@@ -44,6 +44,30 @@ def check_openrlhf_args(policy_loss_type="ppo", is_correction_level="off", loss_
                          f"{loss_agg_mode!r}")
 
 
+# OpenRLHF's defaults of its own clip arguments (openrlhf.cli.train_ppo_ray): --actor.eps_clip 0.2, which
+# --actor.eps_clip_low_high (default None) replaces on both sides, --actor.dual_clip None.
+OPENRLHF_EPS = 0.2
+
+
+def check_clip_args(settings: LossSettings, dual_clip=None, eps_clip=OPENRLHF_EPS, eps_clip_low_high=None) -> None:
+    """Refuse OpenRLHF clip arguments that the band's settings replace and that would otherwise be silently
+    ignored: a --actor.dual_clip other than --band.dual_clip (the dual clip on both --band.clip routes), and, with
+    the band, an ε clip other than OpenRLHF's default (it acts only with --band.clip fixed)."""
+    if dual_clip is not None and dual_clip != settings.dual_clip:
+        raise ValueError(f"--actor.dual_clip={dual_clip!r}: the dual clip is --band.dual_clip="
+                         f"{settings.dual_clip!r} (with --band.clip band and fixed alike; None turns it off); "
+                         f"give --band.dual_clip {dual_clip!r} instead")
+    if settings.clip != "band":
+        return
+    low, high = (eps_clip, eps_clip) if eps_clip_low_high is None else tuple(eps_clip_low_high)
+    if (low, high) != (OPENRLHF_EPS, OPENRLHF_EPS):
+        given = (f"--actor.eps_clip={eps_clip!r}" if eps_clip_low_high is None
+                 else f"--actor.eps_clip_low_high={list(eps_clip_low_high)!r}")
+        raise ValueError(f"{given}: with --band.clip band the ratio clip is the band (--band.delta="
+                         f"{settings.delta!r}, --band.divergence={settings.divergence!r}), and OpenRLHF's epsilon "
+                         f"clip does not act; drop it, or use --band.clip fixed for OpenRLHF's own clip")
+
+
 def band_options_json(settings: LossSettings) -> str:
     """The band's options of ``settings`` as `activate_from_env` reads them from ``$BANDPO_OPENRLHF``."""
     return json.dumps({option: getattr(settings, option) for option in OPTIONS})

@@ -23,9 +23,12 @@ How it fits OpenRLHF (tested: `TESTED_OPENRLHF`):
 - **Supported**: ``--actor.policy_loss_type ppo``. Refused: ``gspo`` (one sequence-level ratio,
   which a per-token band does not bound) and ``--algo.advantage.is_correction_level`` other than
   ``off`` (the vLLM-mismatch correction is not carried over yet); never silently trained otherwise.
-- **band.clip=fixed** runs OpenRLHF's own ``PolicyLoss.forward`` (``--actor.eps_clip_low_high``,
-  ``--actor.dual_clip``): the stock loss, bit for bit, plus the band metrics of that clip. With the
-  band, ``--actor.dual_clip`` has no effect (``--band.dual_clip`` takes its place; a warning says so).
+- **band.clip=fixed** runs OpenRLHF's own ``PolicyLoss.forward`` with ``--actor.eps_clip_low_high`` and
+  ``--band.dual_clip`` as its dual clip (a baseline that differs from the band run in the clip alone): the
+  stock loss, bit for bit, plus the band metrics of that clip. ``--band.dual_clip`` is the dual clip on both
+  routes; the launcher refuses an ``--actor.dual_clip`` that differs from it and, with the band, an
+  ``--actor.eps_clip*`` other than OpenRLHF's default (they would not act); `BandPolicyLoss` built without the
+  launcher names such values in a warning, once.
 - **Metrics**: ``ppo_clip_ratio`` is the band's clip fraction, ``ppo_kl`` is OpenRLHF's; every
   fraction of `bandpo_lut.policy_loss` is added to ``experience.info`` as ``band_<name>`` (0-dim, so
   OpenRLHF weights it by tokens across micro-batches and ranks and logs it as ``train/band_<name>``).
@@ -54,7 +57,7 @@ from bandpo_lut.runtime import loss_spec
 from bandpo_lut.runtime.settings import LossSettings
 
 from ._common import check_framework, check_route
-from ._openrlhf_options import ENV, NAMES, band_from_json, band_settings, check_openrlhf_args
+from ._openrlhf_options import ENV, NAMES, OPENRLHF_EPS, band_from_json, band_settings, check_openrlhf_args
 
 __all__ = ["TESTED_OPENRLHF", "BandPolicyLoss", "activate", "activate_from_env", "band_settings",
            "check_openrlhf_args"]
@@ -125,7 +128,23 @@ def _check_openrlhf() -> None:
 _check_openrlhf()
 
 
-_warned_dual = False
+_warned_replaced: set = set()
+
+
+def _warn_replaced_clips(loss) -> None:
+    """The OpenRLHF clip arguments a BandPolicyLoss was built with that the band's settings replace (the launcher
+    refuses them; `activate` alone cannot tell them from defaults but by their values), each named once."""
+    messages = []
+    if loss.dual_clip is not None and loss.dual_clip != loss.band.dual_clip:
+        messages.append(f"--actor.dual_clip={loss.dual_clip} has no effect with BandPO: "
+                        f"--band.dual_clip={loss.band.dual_clip} takes its place")
+    if loss.band.clip == "band" and (loss.clip_eps_low, loss.clip_eps_high) != (OPENRLHF_EPS, OPENRLHF_EPS):
+        messages.append(f"--actor.eps_clip_low_high=[{loss.clip_eps_low}, {loss.clip_eps_high}] has no effect with "
+                        f"--band.clip band: the clip is the band of --band.delta={loss.band.delta}")
+    for message in messages:
+        if message not in _warned_replaced:
+            _warned_replaced.add(message)
+            warnings.warn(message, UserWarning, stacklevel=3)
 
 
 class BandPolicyLoss(PolicyLoss):
@@ -139,14 +158,11 @@ class BandPolicyLoss(PolicyLoss):
         super().__init__(*args, **kwargs)
         self.band = band or type(self).activated or band_settings()
         check_route(self.band.clip, NAMES["clip"])
+        _warn_replaced_clips(self)
+        # --band.dual_clip is the dual clip on both routes (the launcher refuses an --actor.dual_clip that differs)
+        self.dual_clip = self.band.dual_clip
         if self.band.clip == "band":
             check_openrlhf_args(self.policy_loss_type, self.is_correction_level)
-            global _warned_dual
-            if self.dual_clip is not None and not _warned_dual:
-                _warned_dual = True
-                warnings.warn(f"--actor.dual_clip={self.dual_clip} has no effect with BandPO: "
-                              f"--band.dual_clip={self.band.dual_clip} takes its place", UserWarning,
-                              stacklevel=2)
             # OpenRLHF's aggregations, from the band's sums or means (`forward`)
             aggs = ("token-mean", "token-sum") if self.token_level_loss else ("seq-mean-token-mean",)
             self._settings = {agg: dataclasses.replace(self.band, agg=agg) for agg in aggs}
@@ -154,7 +170,7 @@ class BandPolicyLoss(PolicyLoss):
             self._settings = {"token-mean": LossSettings(
                 clip="fixed", eps_low=self.clip_eps_low, eps_high=self.clip_eps_high, dual_clip=self.dual_clip,
                 field_names={"eps_low": "--actor.eps_clip_low_high", "eps_high": "--actor.eps_clip_low_high",
-                             "dual_clip": "--actor.dual_clip"})}
+                             "dual_clip": NAMES["dual_clip"]})}
         self.last_band_metrics: dict = {}
 
     def forward(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None,

@@ -7,8 +7,10 @@ What an OpenRLHF user changes: the module run, plus any ``--band.*`` option (def
         --band.divergence kl --band.delta 0.05 --band.max_ratio 10 --band.dual_clip 10
 
 The launcher removes the ``--band.*`` arguments and builds the band's LossSettings from them; a bad value, an
-unknown ``--band...`` option, or an OpenRLHF argument the band cannot train ends as argparse's errors do (the
-usage, one error line naming the argument, exit 2), before Ray starts. It then puts the band's options into
+unknown ``--band...`` option, an OpenRLHF argument the band cannot train, or one the band's settings replace (a
+``--actor.dual_clip`` other than ``--band.dual_clip``; with the band, an ``--actor.eps_clip*`` other than
+OpenRLHF's default) ends as argparse's errors do (the usage, one error line naming the argument, exit 2), before
+Ray starts. It then puts the band's options into
 ``$BANDPO_OPENRLHF``, adds `bandpo_lut.integrations.openrlhf.activate_from_env` as Ray's
 ``worker_process_setup_hook`` to OpenRLHF's own ``ray.init``, and runs ``openrlhf.cli.train_ppo_ray`` as
 ``__main__``. ``--help`` lists the ``--band.*`` options, then OpenRLHF's own help, which OpenRLHF prints itself
@@ -26,7 +28,7 @@ from typing import Optional
 from bandpo_lut.runtime.settings import LossSettings
 
 from ._common import PAPER, did_you_mean
-from ._openrlhf_options import ENV, band_options_json, band_settings, check_openrlhf_args
+from ._openrlhf_options import ENV, OPENRLHF_EPS, band_options_json, band_settings, check_clip_args, check_openrlhf_args
 
 __all__ = ["PROG", "band_parser", "format_help", "main", "parse_band_args"]
 
@@ -92,9 +94,15 @@ def parse_band_args(argv: list[str]) -> tuple[LossSettings, list[str]]:
     q.add_argument("--actor.policy_loss_type", dest="policy_loss_type", default="ppo")
     q.add_argument("--algo.advantage.is_correction_level", dest="is_correction_level", default="off")
     q.add_argument("--actor.loss_agg_mode", dest="loss_agg_mode", default="token-mean")
+    c = argparse.ArgumentParser(add_help=False)
+    c.add_argument("--actor.dual_clip", dest="dual_clip", type=float, default=None)
+    c.add_argument("--actor.eps_clip", dest="eps_clip", type=float, default=OPENRLHF_EPS)
+    c.add_argument("--actor.eps_clip_low_high", dest="eps_clip_low_high", type=float, nargs=2, default=None)
     orl, _ = q.parse_known_args(rest)
+    clips, _ = c.parse_known_args(rest)
     if settings.clip == "band":
         check_openrlhf_args(**vars(orl))
+    check_clip_args(settings, **vars(clips))
     return settings, rest
 
 

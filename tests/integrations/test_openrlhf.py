@@ -40,14 +40,16 @@ CHECKS = {
     "aggregations_equal_openrlhfs_aggregate_loss": "token-mean and seq-mean-token-mean, local and global "
                                                    "(dp_size, batch_num_tokens, global_batch_size): an "
                                                    "independent band loss through OpenRLHF's aggregate_loss",
-    "fixed_is_openrlhfs_loss_bit_for_bit": "band.clip=fixed is OpenRLHF's PolicyLoss, bit for bit",
+    "fixed_is_openrlhfs_loss_bit_for_bit": "band.clip=fixed is OpenRLHF's PolicyLoss with --band.dual_clip as its "
+                                           "dual clip, bit for bit",
     "band_metrics_in_openrlhfs_logging": "ppo_clip_ratio/ppo_kl as OpenRLHF's; band_* 0-dim metrics reach "
                                          "experience.info",
     "rounding_positive_old_log_prob": "an old log-prob of +6e-8 is p = 1 (finite loss and gradient)",
     "bad_options_refused_naming_the_argument": "impossible options and unsupported OpenRLHF modes refused, in "
                                                 "one message naming the argument once (the launcher: before Ray)",
     "paper_defaults_and_launcher_args": "the paper's settings by default; --band.* removed from OpenRLHF's "
-                                        "arguments; None turns the cap off",
+                                        "arguments; None turns the cap off; an --actor.dual_clip other than "
+                                        "--band.dual_clip, and --actor.eps_clip* with the band, refused",
     "activate_rebinds_policyloss_and_ray_hook": "activate() makes PolicyLoss(...) build the band loss; the "
                                                 "launcher's ray.init adds the worker hook and the band's options",
     "version_policy": "tested version silent; untested same-structure warns; changed convention refused",

@@ -95,13 +95,14 @@ def _():
 def _():
     new, old, adv, mask = batch(2, spread=0.4)
     done = []
-    for kw in ({}, {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "dual_clip": 3.0},
-               {"token_level_loss": False}, {"policy_loss_type": "gspo"}):
+    # --band.dual_clip is OpenRLHF's dual clip on the fixed route (the paper's 10 by default, None: off)
+    for kw, dual in (({}, 10.0), ({"clip_eps_low": 0.2, "clip_eps_high": 0.28}, 3.0), ({}, None),
+                     ({"token_level_loss": False}, 10.0), ({"policy_loss_type": "gspo"}, 10.0)):
         for extra in ({}, {"dp_size": 2, "batch_num_tokens": torch.tensor(61.0),
                            "global_batch_size": torch.tensor(7.0)}):
-            ours, g1 = run(borl.BandPolicyLoss(band=borl.band_settings(clip="fixed"), **kw), new, old, adv,
-                           action_mask=mask, **extra)
-            stock, g2 = run(STOCK(**kw), new, old, adv, action_mask=mask, **extra)
+            ours, g1 = run(borl.BandPolicyLoss(band=borl.band_settings(clip="fixed", dual_clip=dual), **kw), new,
+                           old, adv, action_mask=mask, **extra)
+            stock, g2 = run(STOCK(**kw, dual_clip=dual), new, old, adv, action_mask=mask, **extra)
             for a, b in zip(ours, stock):
                 assert (a is None and b is None) or torch.equal(a.detach(), b.detach()), (kw, a, b)
             assert torch.equal(g1, g2), kw
@@ -204,11 +205,18 @@ def _():
             raise AssertionError(f"{argv} accepted")
         lines = [line for line in err.getvalue().splitlines() if line.startswith(f"{launcher.PROG}: error: ")]
         assert len(lines) == 1 and needle in lines[0], (argv, err.getvalue())
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        borl._warned_dual = False
-        borl.BandPolicyLoss(dual_clip=3.0)
-    assert any("--band.dual_clip" in str(w.message) for w in record), record
+    # built without the launcher: the replaced values named in a warning, once each
+    for kw, needle in (({"dual_clip": 3.0}, "--band.dual_clip=10.0 takes its place"),
+                       ({"clip_eps_low": 0.1}, "--actor.eps_clip_low_high=[0.1, 0.2] has no effect")):
+        for band, warned in ((borl.band_settings(), True), (borl.band_settings(clip="fixed"), "dual_clip" in kw)):
+            borl._warned_replaced.clear()
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                loss = borl.BandPolicyLoss(band=band, **kw)
+                borl.BandPolicyLoss(band=band, **kw)
+            got = [str(w.message) for w in record if needle in str(w.message)]
+            assert len(got) == int(warned), (kw, band.clip, [str(w.message) for w in record])
+            assert loss.dual_clip == band.dual_clip
     return msgs[0]
 
 
@@ -217,10 +225,20 @@ def _():
     assert borl.band_settings() == bandpo_lut.LossSettings(divergence="kl", delta=0.05, max_ratio=10.0,
                                                            dual_clip=10.0, clip="band")
     s, rest = launcher.parse_band_args(["--actor.model_name_or_path", "m", "--band.max_ratio", "None",
-                                    "--band.delta", "0.1", "--actor.dual_clip", "3"])
+                                    "--band.delta", "0.1", "--actor.dual_clip", "10", "--actor.eps_clip", "0.2"])
     assert (s.delta, s.max_ratio, s.dual_clip) == (0.1, None, 10.0), s
-    assert rest == ["--actor.model_name_or_path", "m", "--actor.dual_clip", "3"], rest
-    return "ok"
+    assert rest == ["--actor.model_name_or_path", "m", "--actor.dual_clip", "10", "--actor.eps_clip", "0.2"], rest
+    # what the band's settings replace is refused, naming the argument, before Ray starts
+    refused = [expect_error(lambda: launcher.parse_band_args(argv), *needles) for argv, needles in (
+        (["--actor.dual_clip", "3"], ("--actor.dual_clip=3.0", "--band.dual_clip 3.0")),
+        (["--band.clip", "fixed", "--actor.dual_clip", "3"], ("--actor.dual_clip=3.0",)),
+        (["--band.dual_clip", "None", "--actor.dual_clip", "3"], ("--actor.dual_clip=3.0",)),
+        (["--actor.eps_clip", "0.1"], ("--actor.eps_clip=0.1", "--band.clip fixed")),
+        (["--actor.eps_clip_low_high", "0.2", "0.28"], ("--actor.eps_clip_low_high=[0.2, 0.28]",)))]
+    s, _ = launcher.parse_band_args(["--band.clip", "fixed", "--actor.eps_clip_low_high", "0.2", "0.28",
+                                     "--band.dual_clip", "3", "--actor.dual_clip", "3"])   # the fixed baseline's
+    assert (s.clip, s.dual_clip) == ("fixed", 3.0), s
+    return refused
 
 
 @check("activate_rebinds_policyloss_and_ray_hook")
