@@ -167,14 +167,21 @@ def scenario_save_programs(folder):
 
 
 def scenario_load_programs(folder):
-    """After `import bandpo_lut` alone (no call), torch.export.load and torch.jit.load find its ops."""
+    """After `import bandpo_lut` alone (no call), torch.export.load and torch.jit.load find its ops, and the
+    loaded programs train: their gradients are the references' (clip's: torch.clamp's rule)."""
     ratio, p = ratio_and_p(seed=3)
     lp, olp, adv = batch(seed=4)
+    want_grad = torch.func.grad(lambda x: ref_loss(x, olp, adv, 0.05))(lp.double())
     for what, program in (("exported", torch.export.load(f"{folder}/exported.pt2").module()),
                           ("traced", torch.jit.load(f"{folder}/traced.pt"))):
-        clipped, loss = program(ratio, p, lp, olp, adv)
+        r, x = ratio.clone().requires_grad_(), lp.clone().requires_grad_()
+        clipped, loss = program(r, p, x, olp, adv)
         close(clipped, ref_clip(ratio, p, 0.05), f"{what} program's clip")
         close(loss, ref_loss(lp, olp, adv, 0.05), f"{what} program's loss", 1e-5)
+        (clipped.sum() + loss).backward()
+        assert torch.equal(r.grad, (clipped == ratio).float()), f"{what} program: clip's gradient"
+        err = (x.grad.double() - want_grad).abs().max().item()
+        assert err <= 1e-6 * want_grad.abs().max().item(), f"{what} program: the loss's gradient is off by {err:.3g}"
 
 
 if __name__ == "__main__":
