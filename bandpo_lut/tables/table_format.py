@@ -146,7 +146,7 @@ def _array_specs(header: dict, source: str) -> list[dict]:
                              expect="a list of non-negative integers")
         header_field(header, base + ".offset", "int", source, check=lambda v: v == offset,
                      expect=f"{offset} (arrays are packed in order)")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize   # Python ints: a crafted shape cannot wrap to 0
         header_field(header, base + ".nbytes", "int", source, check=lambda v: v == nbytes,
                      expect=f"{nbytes} (its shape times its dtype's size)")
         names.add(name)
@@ -165,6 +165,7 @@ def encode(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
         dtype_name = next((k for k, v in DTYPES.items() if v == np.dtype(arr.dtype).newbyteorder("<")), None)
         if dtype_name is None:
             raise TypeError(f"array {name!r}: unsupported dtype {arr.dtype}")
+        _check_finite(name, np.asarray(arr), "encode")
         data = np.ascontiguousarray(arr, dtype=DTYPES[dtype_name]).tobytes()
         specs.append({"name": name, "dtype": dtype_name, "shape": list(arr.shape), "offset": offset,
                       "nbytes": len(data)})
@@ -251,9 +252,20 @@ def decode(blob: bytes, source: str = "<bytes>") -> TableFile:
     for spec in specs:
         dt = DTYPES[spec["dtype"]]
         shape = tuple(spec["shape"])
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         arrays[spec["name"]] = np.frombuffer(payload, dtype=dt, count=count, offset=spec["offset"]).reshape(shape)
+        _check_finite(spec["name"], arrays[spec["name"]], source)
     return TableFile(header=header, arrays=arrays)
+
+
+def _check_finite(name: str, arr: np.ndarray, source: str) -> None:
+    """A table's coefficients are numbers: a NaN or an infinity among them gives NaN bounds wherever a read touches
+    it, which no checksum or monotonicity test sees (NaN compares false). Refused when a table is written and read."""
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        bad = np.argwhere(~np.isfinite(arr))
+        raise TableFormatError(f"{source}: array {name!r} holds {len(bad)} non-finite values (the first at index "
+                               f"{tuple(int(i) for i in bad[0])}: {arr[tuple(bad[0])]}); a table's coefficients must "
+                               "be finite numbers")
 
 
 def _why_checksum_fails(header: dict, payload: bytes, source: str) -> str:

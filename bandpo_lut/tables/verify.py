@@ -4,7 +4,8 @@ For each file: evaluates the table with `bandpo_lut.reference.bounds` (float64) 
 points (p over its whole float range, δ over the table's range) against the 40-digit mpmath roots, prints
 the worst errors and where they occur, and checks on a dense grid (default 4000 values of p × 200 of δ)
 that the upper bound never increases with p nor decreases with δ, and the lower bound the opposite,
-beyond one unit in the last place. A KL table is also refitted as the GPU reads it for float inputs
+beyond one unit in the last place (a NaN bound there is a violation; a file whose coefficients are not all
+finite numbers does not load). A KL table is also refitted as the GPU reads it for float inputs
 (`bandpo_lut.tables.gpu_cells`: cubics in p's float bits at six δ, and the per-token patches): a fit beyond 1e-7
 would give NaN bounds there, and fails the file. Every file is reported, a bad one as FAILED with the reason (it does
 not stop the others); exits 1 if any file fails to load, exceeds its tolerance or is not monotone.
@@ -29,7 +30,8 @@ MAX_DENSE = 10 ** 8
 
 
 def monotonicity_violations(table, n_p: int, n_delta: int):
-    """Counts of (upper up in p, lower down in p, upper down in δ, lower up in δ) beyond 1 ulp."""
+    """Counts of (upper up in p, lower down in p, upper down in δ, lower up in δ) beyond 1 ulp; a NaN bound
+    counts as a violation on each side it has."""
     import torch
 
     from bandpo_lut.tables.reader import bounds
@@ -41,11 +43,12 @@ def monotonicity_violations(table, n_p: int, n_delta: int):
     D = torch.from_numpy(np.repeat(d[:, None], n_p, 1))
     lo, up = (x.numpy() for x in bounds(P, D, table.divergence.name, table=table))
 
+    # Written as "not within one ulp" so that a NaN bound (which compares false either way) counts as a violation.
     def rises(a, axis):      # a[k+1] > a[k] by more than one ulp
-        return int(np.sum(np.diff(a, axis=axis) > np.spacing(np.abs(np.delete(a, 0, axis=axis)))))
+        return int(np.sum(~(np.diff(a, axis=axis) <= np.spacing(np.abs(np.delete(a, 0, axis=axis))))))
 
     def falls(a, axis):
-        return int(np.sum(-np.diff(a, axis=axis) > np.spacing(np.abs(np.delete(a, -1, axis=axis)))))
+        return int(np.sum(~(-np.diff(a, axis=axis) <= np.spacing(np.abs(np.delete(a, -1, axis=axis))))))
 
     finite_up = np.where(np.isinf(up), np.finfo(np.float64).max, up)
     return rises(finite_up, 1), falls(lo, 1), falls(finite_up, 0), rises(lo, 0)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import re
 import shutil
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -347,3 +349,53 @@ def test_unknown_divergence_and_missing_table():
         ref_bounds(torch.tensor([0.5]), 0.05, "nope")
     with pytest.raises(FileNotFoundError, match="no table for 'reverse_kl'"):
         ref_bounds(torch.tensor([0.5]), 0.05, "reverse_kl")
+
+
+def test_a_shape_whose_size_overflows_int64_is_refused(small_blob, tmp_path):
+    """A shape of 2^32 x 2^32 floats is 2^66 bytes: computed in int64 it wraps to 0 and would pass as nbytes 0.
+    Correct checksums (a hostile writer): refused as a TableFormatError naming the file and the field."""
+    version, header, _ = _split(small_blob)
+    header["arrays"] = [{"name": "upper", "dtype": "float32", "shape": [2 ** 32, 2 ** 32], "offset": 0,
+                         "nbytes": 0}]
+    header["payload_sha256"] = hashlib.sha256(b"").hexdigest()
+    header["file_sha256"] = table_format._file_sha256(version, header, b"")
+    path = tmp_path / "kl.bplut"
+    path.write_bytes(_join(version, header, b""))
+    with pytest.raises(table_format.TableFormatError, match=r"arrays\.0\.nbytes") as e:
+        tables.load(path)
+    assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_coefficients_are_refused_when_written_and_read(value, small_blob, tmp_path, monkeypatch):
+    """A NaN coefficient gives NaN bounds wherever a read touches it, which no checksum sees and no monotonicity
+    test either (NaN compares false): the writer refuses it, and a file holding one (from another writer) does
+    not load, naming the file, the array and the index."""
+    tf = table_format.decode(small_blob)
+    arrays = {k: np.array(v) for k, v in tf.arrays.items()}
+    arrays["upper"][3, 4] = value
+    with pytest.raises(table_format.TableFormatError, match=r"array 'upper' holds 1 non-finite"):
+        table_format.encode(dict(tf.header), arrays)
+    monkeypatch.setattr(table_format, "_check_finite", lambda *a: None)     # another writer
+    blob = table_format.encode(dict(tf.header), arrays)
+    monkeypatch.undo()
+    path = tmp_path / "kl.bplut"
+    path.write_bytes(blob)
+    with pytest.raises(table_format.TableFormatError, match=r"index \(3, 4\)") as e:
+        tables.load(path)
+    assert str(path) in str(e.value)
+
+
+def test_verify_counts_a_nan_bound_as_a_monotonicity_violation(tmp_path, monkeypatch):
+    """Behind the load-time refusal, verify's monotonicity grid also fails a table that reads NaN somewhere (a NaN
+    compares false both ways, so a plain `>` test counted none): the shipped tv table (0 violations, as
+    test_tables holds) with one t-node of its upper coefficients NaN."""
+    from bandpo_lut.tables.verify import monotonicity_violations
+
+    tf = table_format.read(tables.shipped_path("tv"))
+    arrays = {k: np.array(v) for k, v in tf.arrays.items()}
+    arrays["upper"][arrays["upper"].shape[0] // 2, :] = math.nan
+    monkeypatch.setattr(table_format, "_check_finite", lambda *a: None)     # another writer, another reader
+    path = tmp_path / "tv.bplut"
+    path.write_bytes(table_format.encode(dict(tf.header), arrays))
+    assert sum(monotonicity_violations(tables.load(path), 4000, 200)) > 0
