@@ -16,9 +16,12 @@ def max_ratio_arg(text: str) -> float | None:
     """argparse type of --max-ratio (demo, plot): a number >= 1, or 'none' for no cap."""
     if text.lower() == "none":
         return None
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not value >= 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 or 'none', got {text}")
+        raise argparse.ArgumentTypeError(f"expected a number >= 1 or 'none', got {text!r}")
     return value
 
 

@@ -26,20 +26,25 @@ def add_arguments(parser):
 
     parser.add_argument("--divergence", "-d", required=True, choices=divergences.names(),
                         help=f"one of {divergences.names()}")
-    parser.add_argument("--out", "-o", default=None, help="output file (default: tables/DIVERGENCE.bplut)")
+    parser.add_argument("--out", "-o", default=None,
+                        help="output file (default: tables/DIVERGENCE.bplut under the current directory, the "
+                             "checkout's tables/ when run from its root)")
     parser.add_argument("--t-max", type=number_in(0, T_MAX_LIMIT, lo_open=True), default=DEFAULTS["t_max"],
                         help="grid covers |logit p| <= T; the tails need T large enough for the divergence and "
-                             "delta range (the error says how large)")
+                             "delta range (the error says how large; default %(default)g)")
     parser.add_argument("--t-density", type=int_at_least(1), default=DEFAULTS["t_density"],
-                        help="nodes per unit of logit p (a power of two keeps the spacing exact)")
+                        help="nodes per unit of logit p (a power of two keeps the spacing exact; default "
+                             "%(default)s)")
     parser.add_argument("--delta-min", type=number_in(0, lo_open=True), default=DEFAULTS["delta_min"],
                         help="smallest delta the table covers (default %(default)g)")
     parser.add_argument("--delta-max", type=number_in(0, lo_open=True), default=DEFAULTS["delta_max"],
                         help="largest delta the table covers (default %(default)g)")
-    parser.add_argument("--s-nodes", type=int_at_least(4), default=DEFAULTS["s_nodes"], help="nodes in log(delta)")
+    parser.add_argument("--s-nodes", type=int_at_least(4), default=DEFAULTS["s_nodes"],
+                        help="nodes in log(delta) (default %(default)s)")
     parser.add_argument("--ghost", type=int_at_least(0), default=DEFAULTS["ghost"],
-                        help="extra fit nodes beyond each edge")
-    parser.add_argument("--dps", type=int_at_least(30), default=DEFAULTS["dps"], help="mpmath working digits")
+                        help="extra fit nodes beyond each edge (default %(default)s)")
+    parser.add_argument("--dps", type=int_at_least(30), default=DEFAULTS["dps"],
+                        help="mpmath working digits (default %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default=DEFAULTS["dtype"],
                         help="storage dtype of the coefficients (default %(default)s)")
     parser.add_argument("--accuracy-points", type=int_at_least(0), default=DEFAULTS["accuracy_points"],

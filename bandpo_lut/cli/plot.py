@@ -54,11 +54,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"bandpo-lut plot: error: --out {args.out}: the name must end in .png or .svg",
               file=sys.stderr)
         return 2
+    from bandpo_lut.cli.args import UsageError
+    from bandpo_lut.tables.table_format import TableFormatError
+
     try:
         curves = band_curves(args.divergences, args.deltas, args.p_min, args.max_ratio)
-    except (ValueError, FileNotFoundError) as err:  # δ outside a table's range, table missing
-        print(f"bandpo-lut plot: error: {err}", file=sys.stderr)
-        return 2
+    except TableFormatError:       # a damaged table: the command line reports it as a file error (exit 1)
+        raise
+    except ValueError as err:      # a δ outside a table's range
+        raise UsageError(f"--deltas: {err}") from None
     draw(curves, args)
     print(f"bands of {','.join(args.divergences)} at delta {','.join(map(str, args.deltas))} "
           f"written to {args.out}")
@@ -188,7 +192,10 @@ def _deltas(text: str) -> list[float]:
 
 
 def _p_min(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not 0 < value < 0.5:
-        raise argparse.ArgumentTypeError(f"must be in (0, 0.5), got {text}")
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 0.5), got {text!r}")
     return value

@@ -6,11 +6,12 @@ from bandpo_lut.tables.verify import MAX_DENSE, MAX_POINTS, verify_file
 
 
 def add_arguments(parser):
-    from bandpo_lut.cli.args import int_in, number_in
+    from bandpo_lut.cli.args import int_at_least, int_in, number_in
 
     parser.add_argument("files", nargs="+", metavar="FILE", help=".bplut table files")
     parser.add_argument("--points", type=int_in(1, MAX_POINTS), default=2000, help="random off-grid points per table")
-    parser.add_argument("--seed", type=int, default=12345, help="seed of the random points (default %(default)s)")
+    parser.add_argument("--seed", type=int_at_least(0), default=12345,
+                        help="seed of the random points (default %(default)s)")
     parser.add_argument("--dense-p", type=int_in(2, MAX_DENSE), default=4000, help="p values of the monotonicity grid")
     parser.add_argument("--dense-delta", type=int_in(2, MAX_DENSE), default=200,
                         help="delta values of the monotonicity grid")

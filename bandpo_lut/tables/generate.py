@@ -67,7 +67,10 @@ def _check_grid(div, t_max, t_density, delta_min, delta_max) -> None:
         raise GridError(uneven)
     if not _tails_hold(div, t_max, delta_min, delta_max):
         need = _smallest_t_max(div, t_max, delta_min, delta_max)
-        valid = (f"need T >= {need:g}; valid: {need:g} <= T <= {T_MAX_LIMIT:g}" if need is not None else
+        if need is not None:    # the smallest such T on this grid (2 * T * t_density whole), so that it is usable
+            need = math.ceil(need * 2 * t_density - 1e-9) / (2 * t_density)
+        valid = (f"need T >= {need:g} (with --t-density {t_density}); valid: {need:g} <= T <= {T_MAX_LIMIT:g}, "
+                 f"2 * T * t_density a whole number" if need is not None and need <= T_MAX_LIMIT else
                  f"do not hold for any T <= {T_MAX_LIMIT:g}; narrow the delta range")
         raise GridError(f"{t_max:g} is too small for {div.name!r} with delta in [{delta_min:g}, {delta_max:g}]: "
                         f"the readers' tail rules (upper = 1/p above T, lower = 0 below -T) {valid}")

@@ -295,6 +295,8 @@ def check_writable(path: str | os.PathLike) -> None:
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "it is a folder", path)
+    if path.endswith(os.sep) or (os.altsep and path.endswith(os.altsep)):
+        raise IsADirectoryError(errno.EISDIR, "it names a folder (it ends in a separator), not a file", path)
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise NotADirectoryError(errno.ENOTDIR, f"{directory} is not a folder", path)

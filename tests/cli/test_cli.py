@@ -275,6 +275,10 @@ ARGPARSE_ERRORS = [  # rejected by argparse itself: exit status 2, the option na
     (["plot", "--divergences", "reverse_kl"], "the compiled ones: chi2,hellinger,kl,tv"),  # no kernel to draw
     (["plot", "--deltas", "0.05,-1"], "--deltas"),
     (["plot", "--p-min", "0"], "--p-min"),
+    (["plot", "--p-min", "abc"], "expected a number in (0, 0.5), got 'abc'"),
+    (["plot", "--max-ratio", "abc"], "expected a number >= 1 or 'none', got 'abc'"),
+    (["plot", "--deltas", "5"], "--deltas: delta: 5.0 is outside"),  # outside the tables' range: named by its flag
+    (["verify", "--seed", "-5", "x.bplut"], "--seed"),
     (["demo", "--no-such-option"], "unrecognized arguments"),
 ]
 
@@ -292,7 +296,6 @@ RUN_ERRORS = [  # checks that involve several arguments or the tables: returned 
     (TINY_DEMO + ["--vocab", "20"], "--good-ranks"),
     (TINY_DEMO + ["--minibatches", "100"], "--minibatches"),
     (["plot", "--out", "bands.pdf"], ".png or .svg"),
-    (["plot", "--deltas", "5"], "delta"),  # outside the tables' range
 ]
 
 
@@ -302,6 +305,46 @@ def test_bad_combinations_exit_2(argv, message, capsys, tmp_path, monkeypatch):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--divergence", "kl", "--out", "newtables/"], "--out: cannot write newtables/: it names a folder"),
+    (["bench", "--json", "tables/kl.bplut"], "--json 'tables/kl.bplut': the name must end in .json"),
+    (["bench", "--json", "rows/"], "the name must end in .json"),
+    (["bench", "--json", ""], "the name must end in .json"),
+])
+def test_an_output_path_that_cannot_be_meant_is_refused_before_any_work(argv, message, capsys, tmp_path, monkeypatch):
+    """A folder name for a file (a trailing slash), or a bench report over a file that is not a .json (a table):
+    refused naming the flag before minutes of work, nothing written or replaced."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tables").mkdir()
+    table = tmp_path / "tables" / "kl.bplut"
+    table.write_bytes(b"a table")
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tables"] and table.read_bytes() == b"a table"
+
+
+def test_info_exits_1_when_a_shipped_table_does_not_load(capsys, tmp_path, monkeypatch):
+    """A damaged shipped table is reported in its place (the others still shown), and the command fails."""
+    from bandpo_lut.tables import store as tables
+
+    for name in tables.SHIPPED:
+        (tmp_path / f"{name}.bplut").write_bytes(tables.shipped_path(name).read_bytes())
+    (tmp_path / "kl.bplut").write_bytes(b"damaged")
+    monkeypatch.setattr(tables, "shipped_dir", lambda: tmp_path)
+    tables._load_shipped.cache_clear()
+    try:
+        assert main(["info"]) == 1
+        text = capsys.readouterr().out
+        assert "kl: " in text and "tv: " + str(tmp_path / "tv.bplut") in text
+        assert main(["info", "--json"]) == 1
+        info = json.loads(capsys.readouterr().out)
+        assert "error" in info["tables"]["kl"] and "error" not in info["tables"]["tv"]
+    finally:
+        tables._load_shipped.cache_clear()
 
 
 def test_a_missing_extension_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):

@@ -90,6 +90,11 @@ def check_json_path(path: str) -> None:
 
     if os.path.isdir(path):
         raise UsageError(f"--json: cannot write {path}: is a directory")
+    special = os.path.exists(path) and not os.path.isfile(path)     # /dev/stdout, a FIFO
+    if not special and not path.lower().endswith(".json"):
+        # as plot's and demo's --out take only their figure suffixes: a stray path (a table, a source file) is
+        # never replaced by the rows
+        raise UsageError(f"--json {path!r}: the name must end in .json (an existing .json file is replaced)")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UsageError(f"--json: cannot write {path}: folder {folder} does not exist")
