@@ -26,7 +26,8 @@ PAPER = {"divergence": "kl", "delta": 0.05, "max_ratio": 10.0, "dual_clip": 10.0
 ROUTES = ("band", "fixed")
 
 __all__ = ["PAPER", "ROUTES", "check_framework", "check_route", "compiled_divergences", "config_get",
-           "delta_range", "did_you_mean", "is_number", "loss_settings"]
+           "delta_range", "did_you_mean", "is_number", "loss_settings", "unused_trainer_clips",
+           "warn_unused_trainer_clips"]
 
 
 def loss_settings(options: Mapping[str, object], names: Mapping[str, str]) -> LossSettings:
@@ -46,6 +47,39 @@ def check_route(clip, name: str) -> None:
     if clip not in ROUTES:
         raise ValueError(f"{name}={clip!r} is not one of {ROUTES} ('band': BandPO's band; 'fixed': the "
                          f"trainer's own clip, with the band metrics)")
+
+
+def unused_trainer_clips(config, defaults: Mapping[str, float], dual_key: str, band: dict, *, trainer: str,
+                         key_name, band_name) -> list[str]:
+    """The trainer's own clip settings in `config` given a value other than its default (`defaults`: key -> the
+    trainer's default) that the BandPO loss does not use, each with what takes its place: `dual_key` (the
+    trainer's dual clip: band_dual_clip on every route), the others (its epsilon clip) where band_clip is "band"
+    (the "fixed" route uses them). `band`: the band_* options; key_name / band_name: a key as the user writes it."""
+    out = []
+    for key, default in defaults.items():
+        value = config_get(config, key, None)
+        if value is None or value == default:
+            continue
+        if key == dual_key:
+            out.append(f"{key_name(key)}={value!r} ({trainer}'s dual clip) is not used: the dual clip is "
+                       f"{band_name('band_dual_clip')}={band['band_dual_clip']!r}")
+        elif band["band_clip"] == "band":
+            out.append(f"{key_name(key)}={value!r} ({trainer}'s fixed clip) is not used: the clip is the band of "
+                       f"{band_name('band_delta')}={band['band_delta']!r} (band_divergence="
+                       f"{band['band_divergence']!r}, band_max_ratio={band['band_max_ratio']!r})")
+    return out
+
+
+_warned_unused: set = set()
+
+
+def warn_unused_trainer_clips(messages, prefix: str) -> None:
+    """`unused_trainer_clips`'s messages as UserWarnings (`prefix`: the setting that made them unused), each
+    distinct one once per process: the config check and every loss call come here, the log should say it once."""
+    for message in messages:
+        if message not in _warned_unused:
+            _warned_unused.add(message)
+            warnings.warn(f"{prefix}: {message}", UserWarning, stacklevel=3)
 
 
 def config_get(config, key: str, default=None):

@@ -5,11 +5,17 @@ can be silently ignored that both refuse: a misspelt ``band_*`` key, and ``band_
 one they warn about: SkyRL's own clip settings given with ``bandpo``, which the band replaces."""
 from __future__ import annotations
 
-import warnings
-
 from bandpo_lut.runtime.settings import LossSettings
 
-from ._common import PAPER, check_route, config_get, did_you_mean, loss_settings
+from ._common import (
+    PAPER,
+    check_route,
+    config_get,
+    did_you_mean,
+    loss_settings,
+    unused_trainer_clips,
+    warn_unused_trainer_clips,
+)
 
 LOSS_NAME = "bandpo"
 SECTION = "trainer.algorithm"
@@ -57,32 +63,12 @@ def unread_band_keys(policy_loss_type, band_keys) -> None:
 # SkyRL's own clip settings and their defaults (skyrl-train 0.3's ppo_base_config, skyrl 0.4's AlgorithmConfig):
 # with policy_loss_type=bandpo a value other than the default is one the user expects to act.
 SKYRL_CLIP_DEFAULTS = {"eps_clip_low": 0.2, "eps_clip_high": 0.2, "clip_ratio_c": 3.0}
-_warned_unused: set = set()
-
-
-def unused_skyrl_clips(algorithm_config, band: dict) -> list[str]:
-    """SkyRL clip settings given a non-default value that the bandpo loss does not use, each with what takes its
-    place: ``clip_ratio_c`` (the dual clip is band_dual_clip on both routes), ``eps_clip_low/high`` with the band
-    (band_clip="fixed" uses them)."""
-    out = []
-    for key, default in SKYRL_CLIP_DEFAULTS.items():
-        value = config_get(algorithm_config, key, None)
-        if value is None or value == default:
-            continue
-        if key == "clip_ratio_c":
-            out.append(f"{SECTION}.clip_ratio_c={value!r} (SkyRL's dual clip) is not used: the dual clip is "
-                       f"{SECTION}.band_dual_clip={band['band_dual_clip']!r}")
-        elif band["band_clip"] == "band":
-            out.append(f"{SECTION}.{key}={value!r} (SkyRL's fixed clip) is not used: the clip is the band of "
-                       f"{SECTION}.band_delta={band['band_delta']!r} (band_divergence="
-                       f"{band['band_divergence']!r}, band_max_ratio={band['band_max_ratio']!r})")
-    return out
 
 
 def warn_unused_skyrl_clips(algorithm_config, band: dict) -> None:
-    """`unused_skyrl_clips` as warnings, each distinct message once per process (the config check and every loss
-    call come here; the log should say it once)."""
-    for message in unused_skyrl_clips(algorithm_config, band):
-        if message not in _warned_unused:
-            _warned_unused.add(message)
-            warnings.warn(f"policy_loss_type={LOSS_NAME}: {message}", UserWarning, stacklevel=3)
+    """SkyRL clip settings given a non-default value that the bandpo loss does not use (``clip_ratio_c``: the dual
+    clip is band_dual_clip on both routes; ``eps_clip_low/high`` with the band), each named once."""
+    warn_unused_trainer_clips(unused_trainer_clips(algorithm_config, SKYRL_CLIP_DEFAULTS, "clip_ratio_c", band,
+                                                   trainer="SkyRL", key_name=lambda k: f"{SECTION}.{k}",
+                                                   band_name=lambda k: f"{SECTION}.{k}"),
+                              f"policy_loss_type={LOSS_NAME}")

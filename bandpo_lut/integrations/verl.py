@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -67,7 +66,15 @@ from bandpo_lut.runtime.loss_spec import COUNTS
 from bandpo_lut.runtime.settings import LossSettings
 
 from . import verl_plugin
-from ._common import PAPER, check_framework, config_get, did_you_mean, loss_settings
+from ._common import (
+    PAPER,
+    check_framework,
+    config_get,
+    did_you_mean,
+    loss_settings,
+    unused_trainer_clips,
+    warn_unused_trainer_clips,
+)
 
 try:
     import verl
@@ -331,33 +338,13 @@ def _baseline_eps(config) -> tuple[tuple, tuple]:
 # verl's own clip settings (actor config) and their defaults; with loss_mode=bandpo a value other than the
 # default is a setting the user expects to act, so it is named once in the log with what replaces it.
 _VERL_CLIP_DEFAULTS = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
-_warned_ignored: set = set()
-
-
-def _ignored_verl_clips(config, s: dict) -> list[str]:
-    """verl clip settings given a non-default value that the bandpo loss does not use, each with the
-    band setting that takes its place."""
-    out = []
-    for key, default in _VERL_CLIP_DEFAULTS.items():
-        value = config_get(config, key, None)
-        if value is None or value == default:
-            continue
-        if key == "clip_ratio_c":
-            out.append(f"actor.clip_ratio_c={value!r} (verl's dual clip) is not used: the dual clip is "
-                       f"{_SECTION}.band_dual_clip={s['band_dual_clip']!r}")
-        elif s["band_clip"] == "band":
-            out.append(f"actor.{key}={value!r} (verl's fixed clip) is not used: the clip is the band of "
-                       f"{_SECTION}.band_delta={s['band_delta']!r} (band_divergence="
-                       f"{s['band_divergence']!r}, band_max_ratio={s['band_max_ratio']!r})")
-    return out
 
 
 def _warn_ignored_verl_clips(config, s: dict) -> None:
-    """Warn once per distinct message (the loss runs every micro-batch; the log should say it once)."""
-    for message in _ignored_verl_clips(config, s):
-        if message not in _warned_ignored:
-            _warned_ignored.add(message)
-            warnings.warn(f"loss_mode=bandpo: {message}", UserWarning, stacklevel=3)
+    """verl clip settings given a non-default value that the bandpo loss does not use, each named once."""
+    warn_unused_trainer_clips(unused_trainer_clips(config, _VERL_CLIP_DEFAULTS, "clip_ratio_c", s, trainer="verl",
+                                                   key_name=lambda k: f"actor.{k}",
+                                                   band_name=lambda k: f"{_SECTION}.{k}"), "loss_mode=bandpo")
 
 
 def _verl_metrics(metrics: dict, log_counts: bool) -> dict[str, torch.Tensor]:

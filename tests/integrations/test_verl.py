@@ -32,6 +32,7 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 import bandpo_lut  # noqa: E402
 import bandpo_lut.integrations.verl as bverl  # noqa: E402  (registers "bandpo")
+from bandpo_lut.integrations import _common  # noqa: E402
 from bandpo_lut.reference import policy_loss as reference  # noqa: E402
 from bandpo_lut.reference.bounds import bounds as reference_bounds  # noqa: E402
 
@@ -638,7 +639,7 @@ def test_ignored_verl_clip_settings_are_named_once(monkeypatch):
     loss_mode=bandpo: each is named once, with the band setting that takes its place."""
     import warnings
 
-    monkeypatch.setattr(bverl, "_warned_ignored", set())
+    monkeypatch.setattr(_common, "_warned_unused", set())
     cfg = actor_config("actor_rollout_ref.actor.clip_ratio_c=5.0",
                        "actor_rollout_ref.actor.clip_ratio_high=0.28")
     b = make_batch(5)
