@@ -165,7 +165,7 @@ def encode(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
         dtype_name = next((k for k, v in DTYPES.items() if v == np.dtype(arr.dtype).newbyteorder("<")), None)
         if dtype_name is None:
             raise TypeError(f"array {name!r}: unsupported dtype {arr.dtype}")
-        _check_finite(name, np.asarray(arr), "encode")
+        _check_finite(name, np.asarray(arr), "the table being written")
         data = np.ascontiguousarray(arr, dtype=DTYPES[dtype_name]).tobytes()
         specs.append({"name": name, "dtype": dtype_name, "shape": list(arr.shape), "offset": offset,
                       "nbytes": len(data)})
