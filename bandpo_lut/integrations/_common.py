@@ -73,13 +73,14 @@ def unused_trainer_clips(config, defaults: Mapping[str, float], dual_key: str, b
 _warned_unused: set = set()
 
 
-def warn_unused_trainer_clips(messages, prefix: str) -> None:
-    """`unused_trainer_clips`'s messages as UserWarnings (`prefix`: the setting that made them unused), each
-    distinct one once per process: the config check and every loss call come here, the log should say it once."""
+def warn_unused_trainer_clips(messages, prefix: str | None = None) -> None:
+    """Messages about a trainer's settings that BandPO does not use (`unused_trainer_clips`'s, or an integration's
+    own) as UserWarnings (`prefix`: the setting that made them unused, if any), each distinct one once per
+    process: the config check and every loss call come here, the log should say it once."""
     for message in messages:
         if message not in _warned_unused:
             _warned_unused.add(message)
-            warnings.warn(f"{prefix}: {message}", UserWarning, stacklevel=3)
+            warnings.warn(message if prefix is None else f"{prefix}: {message}", UserWarning, stacklevel=3)
 
 
 def config_get(config, key: str, default=None):

@@ -45,7 +45,6 @@ import inspect
 import os
 import sys
 import types
-import warnings
 from importlib import metadata
 from pathlib import Path
 from typing import Optional
@@ -56,7 +55,7 @@ import bandpo_lut
 from bandpo_lut.runtime import loss_spec
 from bandpo_lut.runtime.settings import LossSettings
 
-from ._common import check_framework, check_route
+from ._common import check_framework, check_route, warn_unused_trainer_clips
 from ._openrlhf_options import ENV, NAMES, OPENRLHF_EPS, band_from_json, band_settings, check_openrlhf_args
 
 __all__ = ["TESTED_OPENRLHF", "BandPolicyLoss", "activate", "activate_from_env", "band_settings",
@@ -128,9 +127,6 @@ def _check_openrlhf() -> None:
 _check_openrlhf()
 
 
-_warned_replaced: set = set()
-
-
 def _warn_replaced_clips(loss) -> None:
     """The OpenRLHF clip arguments a BandPolicyLoss was built with that the band's settings replace (the launcher
     refuses them; `activate` alone cannot tell them from defaults but by their values), each named once."""
@@ -141,10 +137,7 @@ def _warn_replaced_clips(loss) -> None:
     if loss.band.clip == "band" and (loss.clip_eps_low, loss.clip_eps_high) != (OPENRLHF_EPS, OPENRLHF_EPS):
         messages.append(f"--actor.eps_clip_low_high=[{loss.clip_eps_low}, {loss.clip_eps_high}] has no effect with "
                         f"--band.clip band: the clip is the band of --band.delta={loss.band.delta}")
-    for message in messages:
-        if message not in _warned_replaced:
-            _warned_replaced.add(message)
-            warnings.warn(message, UserWarning, stacklevel=3)
+    warn_unused_trainer_clips(messages)
 
 
 class BandPolicyLoss(PolicyLoss):

@@ -17,6 +17,7 @@ import torch
 from plugin_checks import RESULTS, check, close, independent_per_token
 
 import bandpo_lut
+import bandpo_lut.integrations._common as _common
 import bandpo_lut.integrations._openrlhf_options as options
 import bandpo_lut.integrations.openrlhf as borl
 import bandpo_lut.integrations.openrlhf_launcher as launcher
@@ -209,7 +210,7 @@ def _():
     for kw, needle in (({"dual_clip": 3.0}, "--band.dual_clip=10.0 takes its place"),
                        ({"clip_eps_low": 0.1}, "--actor.eps_clip_low_high=[0.1, 0.2] has no effect")):
         for band, warned in ((borl.band_settings(), True), (borl.band_settings(clip="fixed"), "dual_clip" in kw)):
-            borl._warned_replaced.clear()
+            _common._warned_unused.clear()
             with warnings.catch_warnings(record=True) as record:
                 warnings.simplefilter("always")
                 loss = borl.BandPolicyLoss(band=band, **kw)
